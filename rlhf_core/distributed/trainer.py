@@ -1,0 +1,221 @@
+"""The per-rank loop shared by the supervised stages (SFT, reward model): train, checkpoint, resume, export.
+
+A stage supplies a small ``StageImpl`` (build the model, collate, loss, evaluate, finalize); this class runs it on
+one rank of a Ray group. Checkpoints are DeepSpeed state plus our own state (step, consumed samples, loss at the
+start, per-rank RNG states), written to ``<run_uri>/<stage>/checkpoints/step_<N>/`` and committed by a manifest that
+carries the stage's config hash; a restart resumes from the newest complete one with the same hash.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
+from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
+from rlhf_core.distributed.strategy import DeepSpeedStrategy
+from rlhf_core.models.builders import attn_implementation, load_tokenizer
+from rlhf_core.storage import ObjectStore
+
+
+@dataclass
+class StageContext:
+    """Everything a rank needs, resolved by the job's driver; plain data, so it travels to Ray workers."""
+
+    stage: str
+    run_uri: str
+    storage_options: dict
+    config_hash: str
+    model_path: str  # local directory, hub name or builtin:<name>
+    tokenizer_path: str | None
+    init_seed: int
+    strategy: StrategyConfig
+    optim: OptimConfig
+    train: TrainConfig
+    work_dir: str  # local scratch for staging checkpoints and exports
+    fail_after_step: int | None = None  # fault injection for tests (RLHF_FAIL_AFTER_STEP)
+    upstream: dict = field(default_factory=dict)
+
+
+class StageImpl(Protocol):
+    def build_model(self, ctx: StageContext, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module: ...
+    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]: ...
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def evaluate(self, model: nn.Module, examples: list[dict], pad_id: int, batch_size: int) -> dict[str, float]: ...
+    def finalize(self, hf_model: nn.Module, metrics: dict[str, float]) -> None: ...
+
+
+def checkpoint_rel(stage: str, step: int) -> str:
+    return f"{stage}/checkpoints/step_{step:08d}"
+
+
+def newest_checkpoint(store: ObjectStore, stage: str, config_hash: str) -> tuple[int, str] | None:
+    """(step, rel) of the newest complete checkpoint made with ``config_hash``; incomplete or foreign ones are skipped."""
+    for name in sorted(store.list_dirs(f"{stage}/checkpoints"), reverse=True):
+        rel = f"{stage}/checkpoints/{name}"
+        if not name.startswith("step_") or not store.is_complete(rel):
+            continue
+        manifest = store.read_manifest(rel, verify=False)
+        if manifest.config_hash == config_hash:
+            return int(manifest.extra["step"]), rel
+    return None
+
+
+class SupervisedTrainer:
+    """One rank of a supervised stage."""
+
+    def __init__(self, impl: StageImpl, ctx: StageContext, train_examples: list, eval_examples: list):
+        self.impl, self.ctx = impl, ctx
+        self.train_examples, self.eval_examples = train_examples, eval_examples
+
+    def fit(self) -> dict:
+        ctx, t = self.ctx, self.ctx.train
+        strategy = self.strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, t)
+        strategy.init_distributed()
+        self.store = ObjectStore(ctx.run_uri, ctx.storage_options)
+        self.work = Path(ctx.work_dir) / f"rank{strategy.rank}"
+        _seed_all(t.seed)
+
+        # 1. model and engine
+        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path)
+        attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
+        model = self.impl.build_model(ctx, tokenizer, strategy.dtype, attn)
+        n = len(self.train_examples)
+        steps = total_steps(n, t.train_batch_size, t.max_epochs, t.max_steps)
+        engine = strategy.prepare(model, steps)
+        pad_id = tokenizer.pad_token_id
+
+        # 2. resume from the newest complete checkpoint of this config
+        state = {"step": 0, "consumed_samples": 0, "first_loss": None}
+        found = strategy.broadcast_object(
+            newest_checkpoint(self.store, ctx.stage, ctx.config_hash) if strategy.rank == 0 else None
+        )
+        if found is not None:
+            state = self._load_checkpoint(engine, found[1])
+            self._log(f"resumed from {self.store.uri(found[1])} at step {state['step']}")
+
+        # 3. train: step k consumes stream items [k*B, (k+1)*B), this rank its slice of them
+        history = []
+        for step in range(state["step"], steps):
+            started = time.time()
+            indices = rank_slice(global_batch(n, t.train_batch_size, step, t.seed), strategy.rank, strategy.world_size)
+            sums: dict[str, float] = {}
+            for lo in range(0, len(indices), t.micro_train_batch_size):
+                micro = [self.train_examples[i] for i in indices[lo : lo + t.micro_train_batch_size]]
+                loss, metrics = self.impl.loss(engine, self.impl.collate(micro, pad_id))
+                engine.backward(loss)
+                engine.step()
+                for k, v in {"loss": loss.item(), **metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + v / strategy.accumulation_steps
+            logs = {k: strategy.all_reduce_mean(v) for k, v in sums.items()}
+            state["step"], state["consumed_samples"] = step + 1, (step + 1) * t.train_batch_size
+            if state["first_loss"] is None:
+                state["first_loss"] = logs["loss"]
+            history.append({"step": step + 1, **logs})
+            if (step + 1) % t.log_steps == 0 or step + 1 == steps or step == 0:
+                lr = engine.get_lr()[0]
+                shown = " ".join(f"{k}={v:.4f}" for k, v in logs.items())
+                self._log(f"step {step + 1}/{steps} {shown} lr={lr:.2e} ({time.time() - started:.2f}s)")
+            if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < steps:
+                self._save_checkpoint(engine, state)
+                if ctx.fail_after_step is not None and step + 1 >= ctx.fail_after_step:
+                    raise RuntimeError(f"injected failure after checkpoint at step {step + 1} (RLHF_FAIL_AFTER_STEP)")
+
+        # 4. evaluate and export in Hugging Face format, manifest last
+        metrics = {
+            "steps": steps,
+            "train_samples": n,
+            "loss_start": state["first_loss"],
+            "loss_end": history[-1]["loss"] if history else None,
+        }
+        if self.eval_examples:
+            metrics.update(self.impl.evaluate(engine, self.eval_examples, pad_id, t.eval_batch_size))
+        weights = strategy.full_state_dict(engine)
+        if strategy.rank == 0:
+            self._export(engine.module, weights, tokenizer, metrics)
+            self.store.write_json(f"{ctx.stage}/metrics.json", {"history": history, "final": metrics})
+        strategy.barrier()
+        shutil.rmtree(self.work, ignore_errors=True)
+        return metrics
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+    def _save_checkpoint(self, engine: Any, state: dict) -> None:
+        ctx, strategy = self.ctx, self.strategy
+        rel = checkpoint_rel(ctx.stage, state["step"])
+        local = self.work / "ckpt"
+        shutil.rmtree(local, ignore_errors=True)
+        strategy.save_checkpoint(engine, str(local), client_state={"trainer_state": dict(state)})
+        torch.save(_rng_state(), local / f"rng_rank{strategy.rank}.pt")
+        if strategy.rank == 0:
+            (local / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        files = self.store.upload_files(str(local), rel)
+        all_files = strategy.all_gather_object(files)
+        if strategy.rank == 0:
+            merged = {k: v for part in all_files for k, v in part.items()}
+            self.store.commit(
+                rel, stage=ctx.stage, config_hash=ctx.config_hash, files=merged, extra={"step": state["step"]}
+            )
+            self._prune_checkpoints()
+            self._log(f"checkpoint {self.store.uri(rel)}")
+        strategy.barrier()
+        shutil.rmtree(local, ignore_errors=True)
+
+    def _prune_checkpoints(self) -> None:
+        base = f"{self.ctx.stage}/checkpoints"
+        complete = [d for d in sorted(self.store.list_dirs(base)) if self.store.is_complete(f"{base}/{d}")]
+        for name in complete[: -self.ctx.train.keep_last]:
+            self.store.delete(f"{base}/{name}")
+
+    def _load_checkpoint(self, engine: Any, rel: str) -> dict:
+        local = self.work / "resume"
+        shutil.rmtree(local, ignore_errors=True)
+        self.store.download_artifact(rel, str(local))
+        client_state = self.strategy.load_checkpoint(engine, str(local))
+        _set_rng_state(torch.load(local / f"rng_rank{self.strategy.rank}.pt", weights_only=False))
+        shutil.rmtree(local, ignore_errors=True)
+        return dict(client_state["trainer_state"])
+
+    # -- export -------------------------------------------------------------------------------------------------------
+    def _export(self, module: nn.Module, weights: dict, tokenizer: Any, metrics: dict) -> None:
+        hf_model = getattr(module, "hf_model", module)
+        prefix = "hf_model." if hf_model is not module else ""
+        weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+        self.impl.finalize(hf_model, metrics)
+        local = self.work / "export"
+        shutil.rmtree(local, ignore_errors=True)
+        hf_model.save_pretrained(str(local), state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(str(local))
+        self.store.put_artifact(
+            str(local), self.ctx.stage, stage=self.ctx.stage, config_hash=self.ctx.config_hash,
+            metrics=metrics, extra={"upstream": self.ctx.upstream}, clear=False,
+        )  # fmt: skip
+        self._log(f"saved {self.store.uri(self.ctx.stage)}")
+
+    def _log(self, message: str) -> None:
+        if self.strategy.rank == 0:
+            print(f"[{self.ctx.stage}] {message}", flush=True)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])

@@ -1,0 +1,117 @@
+"""Driver-side plumbing shared by the stage jobs: command line, object store, model resolution, Ray group."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from rlhf_core.config import ConfigError, PipelineConfig, load_config
+from rlhf_core.data.sampler import total_steps
+from rlhf_core.models.builders import check_model_source
+from rlhf_core.storage import ArtifactError, ObjectStore, storage_options_for
+from rlhf_core.types import CheckpointRef
+
+STAGE_PREFIX = "stage:"
+
+
+def parse_args(stage: str, argv: list[str] | None = None) -> PipelineConfig:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m rlhf_core.jobs.{stage}",
+        description=f"Run the {stage} stage alone. Overrides are dotted keys, e.g. {stage}.train.max_steps=10.",
+    )
+    parser.add_argument("--config", required=True, help="YAML preset, e.g. deployments/configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (YAML values)")
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides)
+
+
+def main(stage: str, run: Callable[[PipelineConfig], CheckpointRef]) -> None:
+    """``python -m rlhf_core.jobs.<stage>``: bad input exits with status 2 and one clear line."""
+    from rlhf_core.data.loading import DataError
+    from rlhf_core.models.builders import ModelPathError
+
+    try:
+        ref = run(parse_args(stage))
+    except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"[{stage}] done: {ref.uri} (step {ref.step}, config {ref.config_hash})")
+    for key, value in ref.metrics.items():
+        print(f"[{stage}]   {key}: {value}")
+
+
+def open_store(cfg: PipelineConfig) -> ObjectStore:
+    s = cfg.storage
+    options = storage_options_for(cfg.run_uri, endpoint_url=s.endpoint_url, key=s.key, secret=s.secret, region=s.region)
+    return ObjectStore(cfg.run_uri, options)
+
+
+def work_dir(stage: str) -> str:
+    """Local scratch directory for downloads and staging (RLHF_WORK_DIR, else the system temp dir)."""
+    root = Path(os.environ.get("RLHF_WORK_DIR") or tempfile.gettempdir()) / "rlhf-pipeline"
+    root.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{stage}-", dir=root)
+
+
+def resolve_model(store: ObjectStore, path: str, key: str, dest: str) -> tuple[str, dict[str, str]]:
+    """A loadable model path for ``path``, and {upstream stage: config hash} when it names an earlier stage.
+
+    ``stage:<name>`` is read only from a complete artifact (verified manifest) and copied to ``dest``.
+    """
+    if path.startswith(STAGE_PREFIX):
+        name = path[len(STAGE_PREFIX) :]
+        try:
+            manifest = store.download_artifact(name, str(Path(dest) / name))
+        except ArtifactError as e:
+            raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
+        return str(Path(dest) / name), {name: manifest.config_hash}
+    check_model_source(path, key)
+    return path, {}
+
+
+def existing_output(store: ObjectStore, stage: str, config_hash: str) -> CheckpointRef | None:
+    """The stage's committed output when it was made with the same config hash (then there is nothing to do)."""
+    if not store.is_complete(stage):
+        return None
+    manifest = store.read_manifest(stage, verify=False)
+    if manifest.config_hash != config_hash:
+        return None
+    return CheckpointRef(store.uri(stage), stage, int(manifest.metrics.get("steps", 0)), config_hash, manifest.metrics)
+
+
+def check_steps(stage: str, section: Any, n_rows: int) -> None:
+    t = section.train
+    if total_steps(n_rows, t.train_batch_size, t.max_epochs, t.max_steps) == 0:
+        raise ConfigError(
+            f"'{stage}.train.train_batch_size' = {t.train_batch_size} is larger than the {n_rows} training rows "
+            f"x {t.max_epochs} epochs of {section.data.train_path}: no optimizer step would run"
+        )
+
+
+def fail_after_step() -> int | None:
+    value = os.environ.get("RLHF_FAIL_AFTER_STEP")
+    return int(value) if value else None
+
+
+def run_group(section: Any, factory: Callable[..., Any], *args: Any) -> list[Any]:
+    """Start Ray if needed, run ``factory(*args).fit()`` on ``section.strategy.num_workers`` ranks, clean up."""
+    import ray
+
+    from rlhf_core.distributed.launcher import RayWorkerGroup, init_ray
+
+    s = section.strategy
+    started = init_ray(min_cpus=s.num_workers * s.cpus_per_worker)
+    group = None
+    try:
+        group = RayWorkerGroup(s, factory, *args)
+        return group.call("fit")
+    finally:
+        if group is not None:
+            group.shutdown()
+        if started:
+            ray.shutdown()
+

@@ -1,0 +1,65 @@
+"""Critic-initialisation stage: the critic starts as a copy of the reward model, backbone and value head.
+
+Nothing is re-initialised (OpenRLHF's critic-from-RM trick): the reward model's ``score`` head becomes the value
+head and its ``reward_mean``/``reward_std`` travel along. The copy is loaded and saved through
+``AutoModelForSequenceClassification``, so a reward-model directory that cannot serve as a critic fails here.
+No training happens, so this stage runs in the driver process without Ray.
+
+    python -m rlhf_core.jobs.critic_init --config deployments/configs/tiny.yaml
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from rlhf_core.config import ConfigError, PipelineConfig, stage_hash
+from rlhf_core.jobs import common
+from rlhf_core.models.builders import load_tokenizer
+from rlhf_core.types import CheckpointRef
+
+STAGE = "critic_init"
+
+
+def run(cfg: PipelineConfig) -> CheckpointRef:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    section = cfg.stage(STAGE)
+    store = common.open_store(cfg)
+    work = common.work_dir(STAGE)
+
+    # 1. the reward model, verified
+    key = "critic_init.model.name_or_path"
+    rm_path, upstream = common.resolve_model(store, section.model.name_or_path, key, work)
+    config_hash = stage_hash(section, upstream)
+    if (done := common.existing_output(store, STAGE, config_hash)) is not None:
+        print(f"[{STAGE}] {done.uri} is already complete for config {config_hash}; nothing to do")
+        return done
+    rm_config = AutoConfig.from_pretrained(rm_path)
+    if not any("ForSequenceClassification" in a for a in rm_config.architectures or []) or rm_config.num_labels != 1:
+        raise ConfigError(f"'{key}' = {section.model.name_or_path} is not a reward model (one-output classifier)")
+
+    # 2. copy: load and save the same weights, nothing re-initialised
+    critic = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32)
+    critic.config.critic_initialised_from = section.model.name_or_path
+    out = Path(work) / "export"
+    shutil.rmtree(out, ignore_errors=True)
+    critic.save_pretrained(str(out), safe_serialization=True)
+    load_tokenizer(rm_path).save_pretrained(str(out))
+    metrics = {
+        "parameters": sum(p.numel() for p in critic.parameters()),
+        "reward_mean": getattr(rm_config, "reward_mean", None),
+        "reward_std": getattr(rm_config, "reward_std", None),
+    }
+    store.put_artifact(
+        str(out), STAGE, stage=STAGE, config_hash=config_hash, metrics=metrics, extra={"upstream": upstream},
+        clear=False,
+    )  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)
+    return CheckpointRef(store.uri(STAGE), STAGE, 0, config_hash, metrics)
+
+
+if __name__ == "__main__":
+    common.main(STAGE, run)

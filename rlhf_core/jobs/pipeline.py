@@ -1,0 +1,54 @@
+"""Run the supervised stages in order (SFT -> reward model -> critic init) in one process and print each result.
+
+This is the README's main job on the embedded default: a local Ray started by each stage, a local folder as the
+object store. Finished stages whose output is complete for the same config are not run again, and a stage that
+was interrupted resumes from its newest complete checkpoint. (The Prefect flow chains the same ``run`` functions.)
+
+    python -m rlhf_core.jobs.pipeline --config deployments/configs/demo.yaml [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.data.loading import DataError
+from rlhf_core.jobs import critic_init, reward_model, sft
+from rlhf_core.models.builders import ModelPathError
+from rlhf_core.storage import ArtifactError
+
+STAGES = (("sft", sft.run), ("reward_model", reward_model.run), ("critic_init", critic_init.run))
+SHOWN = ("loss_start", "loss_end", "eval_loss", "eval_accuracy", "reward_mean", "reward_std", "steps")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.jobs.pipeline", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="YAML preset, e.g. deployments/configs/demo.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        results = []
+        for name, run in STAGES:
+            started = time.time()
+            ref = run(cfg)
+            results.append((name, ref, time.time() - started))
+    except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    print("\n=== rlhf-pipeline results ===")
+    for name, ref, seconds in results:
+        shown = ", ".join(f"{k}={_fmt(ref.metrics[k])}" for k in SHOWN if ref.metrics.get(k) is not None)
+        print(f"{name:13s} {seconds:6.1f}s  {shown}")
+        print(f"{'':13s} model: {ref.uri}")
+
+
+def _fmt(value: float | int) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+if __name__ == "__main__":
+    main()

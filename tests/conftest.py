@@ -1,0 +1,30 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest_plugins = ["tests.conftest_s3"]
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "deployments" / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session (the jobs reuse an initialised Ray instead of starting their own)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    # Presets name bundled data relative to the repository root, as the README's commands do.
+    monkeypatch.chdir(ROOT)

@@ -1,0 +1,79 @@
+import pytest
+import yaml
+
+from rlhf_core.config import ConfigError, PipelineConfig, describe, load_config, stage_hash, to_yaml
+from tests.conftest import TINY
+
+BASE = ["run_uri=/tmp/x", "sft.model.name_or_path=builtin:tiny", "sft.data.train_path=a.jsonl"]
+
+
+def test_tiny_preset_loads_with_stage_sections():
+    cfg = load_config(TINY)
+    assert cfg.sft.model.name_or_path == "builtin:tiny"
+    assert cfg.reward_model.model.name_or_path == "stage:sft"
+    assert cfg.critic_init.model.name_or_path == "stage:reward_model"
+    assert cfg.sft.strategy.precision == "fp32"
+
+
+def test_overrides_are_typed_and_win_over_yaml():
+    cfg = load_config(TINY, ["sft.optim.lr=0.5", "sft.strategy.zero_stage=3", "run_uri=s3://b/run"])
+    assert cfg.sft.optim.lr == 0.5 and cfg.sft.strategy.zero_stage == 3 and cfg.run_uri == "s3://b/run"
+
+
+def test_partial_section_keeps_the_stage_defaults():
+    cfg = load_config(None, ["run_uri=/x", "reward_model.model.name_or_path=m", "reward_model.data.train_path=a",
+                             "reward_model.data.eval_path=b", "reward_model.optim.max_norm=0.5"])
+    assert cfg.reward_model.optim.lr == 9e-6  # the RM's default, not the SFT one
+    assert cfg.reward_model.optim.max_norm == 0.5
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sft.optim.lrr=1", r"unknown config key 'sft.optim.lrr'.*did you mean 'sft.optim.lr'"),
+        ("sft.strategy.zero_stage=5", r"'sft.strategy.zero_stage'"),
+        ("sft.strategy.precision=fp16", r"invalid value 'fp16' for 'sft.strategy.precision': choose one of bf16"),
+        ("sft.train.max_epochs=two", r"invalid value 'two' for 'sft.train.max_epochs': expected an integer"),
+        ("sft.train.train_batch_size=12", r"'sft.train.train_batch_size'.*multiple of micro_train_batch_size"),
+        ("sft.data.input_template=no-slot", r"'sft.data.input_template'"),
+        ("bogus=1", r"unknown config key 'bogus'"),
+    ],
+)
+def test_invalid_values_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, BASE + [override])
+
+
+def test_missing_required_key_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="missing required config key 'sft.data.train_path'"):
+        load_config(None, ["run_uri=/x", "sft.model.name_or_path=m", "sft.data.max_len=10"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_uri: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="reward_model.data.eval_path"):
+        load_config(None, ["run_uri=/x", "reward_model.model.name_or_path=m", "reward_model.data.train_path=a"])
+
+
+def test_secrets_are_redacted_and_not_hashed():
+    cfg = load_config(TINY, ["storage.key=AKIDSECRET", "storage.secret=hunter2-very-secret"])
+    text = to_yaml(cfg)
+    assert "hunter2-very-secret" not in text and "AKIDSECRET" not in text
+    assert yaml.safe_load(text)["storage"]["secret"] == "***"
+
+
+def test_stage_hash_tracks_semantics_not_bookkeeping():
+    a = load_config(TINY)
+    b = load_config(TINY, ["sft.train.keep_last=9", "sft.train.save_steps=3", "sft.strategy.num_workers=2"])
+    c = load_config(TINY, ["sft.optim.lr=0.1"])
+    assert stage_hash(a.sft) == stage_hash(b.sft)
+    assert stage_hash(a.sft) != stage_hash(c.sft)
+    assert stage_hash(a.sft, {"sft": "x"}) != stage_hash(a.sft, {"sft": "y"})
+
+
+def test_every_field_is_documented():
+    rows = describe(PipelineConfig)
+    assert len(rows) > 40
+    assert all(help_text for _, _, help_text in rows), [k for k, _, h in rows if not h]
