@@ -184,6 +184,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        raw = _unalias(raw)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -192,6 +193,16 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     cfg = _build(PipelineConfig, raw, "")
     validate(cfg)
     return cfg
+
+
+def _unalias(node: Any) -> Any:
+    """Copy a YAML tree so that sections shared through anchors (&x / *x) stop sharing: an override of one
+    stage's section must not change another's."""
+    if isinstance(node, dict):
+        return {k: _unalias(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unalias(v) for v in node]
+    return node
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

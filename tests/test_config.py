@@ -77,3 +77,9 @@ def test_every_field_is_documented():
     rows = describe(PipelineConfig)
     assert len(rows) > 40
     assert all(help_text for _, _, help_text in rows), [k for k, _, h in rows if not h]
+
+
+def test_override_of_an_anchored_section_changes_only_that_stage():
+    # tiny.yaml shares one strategy mapping between stages through a YAML anchor.
+    cfg = load_config(TINY, ["sft.strategy.num_workers=2"])
+    assert cfg.sft.strategy.num_workers == 2 and cfg.reward_model.strategy.num_workers == 1

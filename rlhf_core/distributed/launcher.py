@@ -44,7 +44,12 @@ class _Shell:
     def __init__(self, env: dict[str, str], threads: int):
         os.environ.update(env)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        import warnings
+
         import torch
+
+        # DeepSpeed calls deprecated torch.distributed names on every step; keep worker logs readable.
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
         torch.set_num_threads(threads)
         self.obj: Any = None

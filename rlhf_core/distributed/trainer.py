@@ -96,11 +96,13 @@ class SupervisedTrainer:
 
         # 2. resume from the newest complete checkpoint of this config
         state = {"step": 0, "consumed_samples": 0, "first_loss": None}
+        resumed_from = 0
         found = strategy.broadcast_object(
             newest_checkpoint(self.store, ctx.stage, ctx.config_hash) if strategy.rank == 0 else None
         )
         if found is not None:
             state = self._load_checkpoint(engine, found[1])
+            resumed_from = state["step"]
             self._log(f"resumed from {self.store.uri(found[1])} at step {state['step']}")
 
         # 3. train: step k consumes stream items [k*B, (k+1)*B), this rank its slice of them
@@ -134,6 +136,7 @@ class SupervisedTrainer:
         metrics = {
             "steps": steps,
             "train_samples": n,
+            "resumed_from_step": resumed_from,
             "loss_start": state["first_loss"],
             "loss_end": history[-1]["loss"] if history else None,
         }

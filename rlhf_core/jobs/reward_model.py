@@ -82,13 +82,13 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
 
     # 2. data, tokenized and checked before any worker starts
     tokenizer = load_tokenizer(model_path, section.model.tokenizer)
-    train = preference_examples(section.data, tokenizer, "train", store.storage_options)
-    held_out = preference_examples(section.data, tokenizer, "eval", store.storage_options)
+    train = preference_examples(section.data, tokenizer, "train", store.fs.storage_options)
+    held_out = preference_examples(section.data, tokenizer, "eval", store.fs.storage_options)
     common.check_steps(STAGE, section, len(train))
 
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
     ctx = StageContext(
-        stage=STAGE, run_uri=cfg.run_uri, storage_options=store.storage_options, config_hash=config_hash,
+        stage=STAGE, run_uri=cfg.run_uri, storage_options=store.fs.storage_options, config_hash=config_hash,
         model_path=model_path, tokenizer_path=section.model.tokenizer, init_seed=section.model.init_seed,
         strategy=section.strategy, optim=section.optim, train=section.train, work_dir=work,
         fail_after_step=common.fail_after_step(), upstream=upstream,
