@@ -394,3 +394,8 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
             default = "(required)"
         rows.append((key, default, f.metadata.get("help", "")))
     return rows
+
+
+if __name__ == "__main__":  # python -m rlhf_core.config: every key with its default and meaning
+    for key, default, help_text in describe(PipelineConfig):
+        print(f"{key:45s} {default:28s} {help_text}")

@@ -45,9 +45,11 @@ def main(stage: str, run: Callable[[PipelineConfig], CheckpointRef]) -> None:
 
 
 def open_store(cfg: PipelineConfig) -> ObjectStore:
+    """The run's object store; a plain local ``run_uri`` is made absolute so that every worker writes to one place."""
     s = cfg.storage
-    options = storage_options_for(cfg.run_uri, endpoint_url=s.endpoint_url, key=s.key, secret=s.secret, region=s.region)
-    return ObjectStore(cfg.run_uri, options)
+    uri = cfg.run_uri if "://" in cfg.run_uri else str(Path(cfg.run_uri).resolve())
+    options = storage_options_for(uri, endpoint_url=s.endpoint_url, key=s.key, secret=s.secret, region=s.region)
+    return ObjectStore(uri, options)
 
 
 def work_dir(stage: str) -> str:

@@ -88,7 +88,7 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
 
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
     ctx = StageContext(
-        stage=STAGE, run_uri=cfg.run_uri, storage_options=store.fs.storage_options, config_hash=config_hash,
+        stage=STAGE, run_uri=store.root_uri, storage_options=store.fs.storage_options, config_hash=config_hash,
         model_path=model_path, tokenizer_path=section.model.tokenizer, init_seed=section.model.init_seed,
         strategy=section.strategy, optim=section.optim, train=section.train, work_dir=work,
         fail_after_step=common.fail_after_step(), upstream=upstream,
