@@ -118,3 +118,19 @@ class RayWorkerGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+
+
+def run_group(cfg: StrategyConfig, factory: Callable[..., Any], *args: Any) -> list[Any]:
+    """Start Ray if needed, run ``factory(*args).fit()`` on ``cfg.num_workers`` ranks, and clean up after."""
+    import ray
+
+    started = init_ray(min_cpus=cfg.num_workers * cfg.cpus_per_worker)
+    group = None
+    try:
+        group = RayWorkerGroup(cfg, factory, *args)
+        return group.call("fit")
+    finally:
+        if group is not None:
+            group.shutdown()
+        if started:
+            ray.shutdown()

@@ -97,23 +97,3 @@ def check_steps(stage: str, section: Any, n_rows: int) -> None:
 def fail_after_step() -> int | None:
     value = os.environ.get("RLHF_FAIL_AFTER_STEP")
     return int(value) if value else None
-
-
-def run_group(section: Any, factory: Callable[..., Any], *args: Any) -> list[Any]:
-    """Start Ray if needed, run ``factory(*args).fit()`` on ``section.strategy.num_workers`` ranks, clean up."""
-    import ray
-
-    from rlhf_core.distributed.launcher import RayWorkerGroup, init_ray
-
-    s = section.strategy
-    started = init_ray(min_cpus=s.num_workers * s.cpus_per_worker)
-    group = None
-    try:
-        group = RayWorkerGroup(s, factory, *args)
-        return group.call("fit")
-    finally:
-        if group is not None:
-            group.shutdown()
-        if started:
-            ray.shutdown()
-

@@ -15,6 +15,7 @@ import torch
 from rlhf_core.algos.losses import pairwise_reward_loss
 from rlhf_core.config import PipelineConfig, stage_hash
 from rlhf_core.data.examples import pad_right, preference_examples
+from rlhf_core.distributed import launcher
 from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model, load_tokenizer
@@ -93,7 +94,8 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
         strategy=section.strategy, optim=section.optim, train=section.train, work_dir=work,
         fail_after_step=common.fail_after_step(), upstream=upstream,
     )  # fmt: skip
-    metrics = common.run_group(section, SupervisedTrainer, RewardModelImpl(section.margin), ctx, train, held_out)[0]
+    impl = RewardModelImpl(section.margin)
+    metrics = launcher.run_group(section.strategy, SupervisedTrainer, impl, ctx, train, held_out)[0]
     return CheckpointRef(store.uri(STAGE), STAGE, metrics["steps"], config_hash, metrics)
 
 

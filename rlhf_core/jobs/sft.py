@@ -14,6 +14,7 @@ import torch
 from rlhf_core.algos.losses import sft_loss
 from rlhf_core.config import PipelineConfig, stage_hash
 from rlhf_core.data.examples import pad_right, sft_examples
+from rlhf_core.distributed import launcher
 from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
@@ -77,7 +78,7 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
         strategy=section.strategy, optim=section.optim, train=section.train, work_dir=work,
         fail_after_step=common.fail_after_step(), upstream=upstream,
     )  # fmt: skip
-    metrics = common.run_group(section, SupervisedTrainer, SFTImpl(), ctx, train, held_out)[0]
+    metrics = launcher.run_group(section.strategy, SupervisedTrainer, SFTImpl(), ctx, train, held_out)[0]
     return CheckpointRef(store.uri(STAGE), STAGE, metrics["steps"], config_hash, metrics)
 
 

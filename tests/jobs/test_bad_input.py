@@ -8,7 +8,8 @@ import pytest
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.loading import DataError
-from rlhf_core.jobs import common, reward_model, sft
+from rlhf_core.distributed import launcher
+from rlhf_core.jobs import reward_model, sft
 from rlhf_core.models.builders import ModelPathError
 from rlhf_core.storage import ArtifactError, ObjectStore
 from tests.conftest import ROOT, TINY
@@ -21,7 +22,7 @@ def no_workers(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the job started its workers despite bad input")
 
-    monkeypatch.setattr(common, "run_group", refuse)
+    monkeypatch.setattr(launcher, "run_group", refuse)
 
 
 def jsonl(path, lines):

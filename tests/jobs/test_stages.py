@@ -63,11 +63,12 @@ def test_sft_zero2_two_workers(sft_run):
     assert sorted(p.name for p in (run_dir / "sft" / "checkpoints").iterdir()) == ["step_00000008", "step_00000012"]
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3-offload"])
-def test_sft_zero3_two_workers(tmp_path, ray_cluster, sft_run, offload):
-    ref = sft.run(cfg_for(tmp_path, *SFT_2W, "sft.strategy.zero_stage=3", f"sft.strategy.offload_optimizer={offload}"))
+@pytest.mark.parametrize("offload, recompute", [(False, True), (True, False)], ids=["zero3-grad-ckpt", "zero3-offload"])
+def test_sft_zero3_two_workers(tmp_path, ray_cluster, sft_run, offload, recompute):
+    ref = sft.run(cfg_for(tmp_path, *SFT_2W, "sft.strategy.zero_stage=3", f"sft.strategy.offload_optimizer={offload}",
+                          f"sft.strategy.gradient_checkpointing={recompute}"))
     assert_trained(tmp_path, ref)
-    # Same data order, same seed, fp32: ZeRO-3 (with or without offload) learns what ZeRO-2 learns.
+    # Same data order, same seed, fp32: ZeRO-3 (with offload or recomputation) learns what ZeRO-2 learns.
     baseline = weights(sft_run[0], "sft")
     for name, value in weights(tmp_path, "sft").items():
         torch.testing.assert_close(value, baseline[name], atol=1e-4, rtol=1e-3)
@@ -119,3 +120,10 @@ def test_reward_model_learns_the_gold_preference_and_stores_stats(sft_run):
     assert critic_ref.metrics["reward_mean"] == pytest.approx(ref.metrics["reward_mean"])
     critic_config = AutoConfig.from_pretrained(str(run_dir / "critic_init"))
     assert critic_config.reward_std == pytest.approx(ref.metrics["reward_std"])
+
+
+def test_sft_bf16_one_worker(tmp_path, ray_cluster):
+    ref = sft.run(cfg_for(tmp_path, "sft.strategy.precision=bf16", "sft.data.max_samples=64"))
+    assert ref.metrics["loss_end"] < ref.metrics["loss_start"]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sft"))
+    assert model.config.dtype == torch.bfloat16

@@ -1,0 +1,299 @@
+"""PPO math after OpenRLHF: KL estimators, token rewards, GAE, advantage whitening, clipped losses, KL controllers.
+
+Pure torch, tensor in and tensor out; shapes in the docstrings. B = batch of sequences, T = response (action)
+positions. ``action_mask`` (B, T) is 1 on real response tokens (EOS included) and 0 on the padding after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .losses import last_token_index, masked_mean
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def approx_kl(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor | None = None,
+    estimator: str = "k1",
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled tokens, with d = logprobs - ref_logprobs.
+
+    k1 = d; k2 = d**2 / 2; k3 = exp(-d) - 1 + d (non-negative, unbiased; Schulman's "k3").
+
+    Args:
+        logprobs: (B, T) log pi(a_t) of the sampled tokens under the policy.
+        ref_logprobs: (B, T) the same under the reference model.
+        action_mask: (B, T) or None (= every position counts).
+        estimator: "k1", "k2" or "k3".
+    Returns:
+        (B, T), clamped to [-10, 10], 0 where ``action_mask`` is 0.
+    """
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        kl = d
+    elif estimator == "k2":
+        kl = d.square() / 2
+    elif estimator == "k3":
+        kl = torch.exp(-d) - 1 + d
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+    kl = kl.clamp(-10.0, 10.0)
+    if action_mask is not None:
+        # where, not multiply: an inf/nan log-prob on a padding position must not leak through 0 * inf.
+        kl = torch.where(action_mask.bool(), kl, torch.zeros_like(kl))
+    return kl
+
+
+def token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, action_mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Dense PPO rewards: a KL penalty on every action token plus the sequence score on the last one.
+
+    Args:
+        scores: (B,) reward-model score of each sequence (already normalised/clipped if wanted).
+        kl: (B, T) per-token KL estimate (see :func:`approx_kl`).
+        action_mask: (B, T).
+        kl_coef: the KL coefficient beta.
+    Returns:
+        (B, T): r_t = -kl_coef * kl_t, plus ``scores[b]`` at the last action token of row b; 0 on padding
+        (a row without action tokens is all 0).
+    """
+    mask = action_mask.to(kl.dtype)
+    rewards = -kl_coef * kl * mask
+    last = last_token_index(action_mask)  # (B,)
+    score_at_last = torch.zeros_like(rewards).scatter_(1, last.unsqueeze(1), scores.to(kl.dtype).unsqueeze(1))
+    return rewards + score_at_last * mask
+
+
+def normalize_scores(scores: torch.Tensor, mean: float, std: float, eps: float = 1e-8) -> torch.Tensor:
+    """(scores - mean) / (std + eps), with the reward model's stored statistics. Any shape in, same shape out."""
+    return (scores - mean) / (std + eps)
+
+
+def clip_scores(scores: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Clamp scores to [low, high]. Any shape in, same shape out."""
+    return scores.clamp(low, high)
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation, backwards over T.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};  returns_t = A_t + V_t.
+    V and A after the last action token (and on any masked position) count as 0.
+
+    Args:
+        rewards: (B, T) from :func:`token_rewards`.
+        values: (B, T) critic values V(s_t) from the rollout.
+        action_mask: (B, T).
+        gamma: discount.
+        lam: GAE lambda.
+    Returns:
+        (advantages, returns), both (B, T), 0 where ``action_mask`` is 0; no grad.
+    """
+    mask = action_mask.to(values.dtype)
+    values = values * mask
+    rewards = rewards * mask
+    T = rewards.size(1)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
+        advantages[:, t] = next_advantage
+        next_value = values[:, t]
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def _whiten_from_sums(
+    x: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor, shift_mean: bool, divide_std: bool, eps: float
+) -> torch.Tensor:
+    # sums = [sum(x*m), sum(x^2*m), sum(m)] in float64, local or all-reduced; population variance E[x^2] - E[x]^2.
+    count = sums[2].clamp(min=1.0)
+    mean = sums[0] / count
+    var = (sums[1] / count - mean.square()).clamp(min=0.0)
+    out = x.double()
+    if shift_mean:
+        out = out - mean
+    if divide_std:
+        out = out * torch.rsqrt(var + eps)
+    return (out * mask).to(x.dtype)
+
+
+def _masked_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    x64, m64 = x.double(), mask.double()
+    return torch.stack([(x64 * m64).sum(), (x64.square() * m64).sum(), m64.sum()])
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, divide_std: bool = True
+) -> torch.Tensor:
+    """Whiten ``x`` with the mean and population variance (divide by the count) of its masked entries.
+
+    shift_mean=True (default): (x - mean) / sqrt(var + eps).
+    shift_mean=False: x / sqrt(var + eps) -- scaled by the same std, the mean NOT subtracted.
+    divide_std=False: no division -- with shift_mean=True this is x - mean, which is what OpenRLHF's
+    ``--algo.advantage.no_std_norm`` does (mean only). Note that is the opposite of shift_mean=False.
+
+    Args:
+        x: any shape, e.g. (B, T) advantages.
+        mask: same shape, 0/1.
+    Returns:
+        same shape and dtype as ``x``; 0 where ``mask`` is 0. Statistics are computed in float64.
+    """
+    mask = mask.to(x.dtype)
+    return _whiten_from_sums(x, mask, _masked_sums(x, mask), shift_mean, divide_std, eps)
+
+
+def distributed_masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    group=None,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    divide_std: bool = True,
+) -> torch.Tensor:
+    """:func:`masked_whiten` with the statistics of the union of every data-parallel rank's masked entries.
+
+    All-reduces (SUM) [sum(x*m), sum(x^2*m), sum(m)] in float64 over ``group``; every rank of the group must
+    call it. Without an initialised ``torch.distributed`` this is exactly :func:`masked_whiten`.
+
+    Args:
+        x: any shape, this rank's part (e.g. (B_rank, T) advantages; B and T may differ between ranks).
+        mask: same shape, 0/1.
+        group: process group passed to ``all_reduce``; None = the default group.
+    Returns:
+        same shape and dtype as ``x``; 0 where ``mask`` is 0.
+    """
+    mask = mask.to(x.dtype)
+    sums = _masked_sums(x, mask)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
+    return _whiten_from_sums(x, mask, sums, shift_mean, divide_std, eps)
+
+
+def policy_loss(
+    pi_logprobs: torch.Tensor,
+    pi_old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate loss, token mean over every action token of the batch.
+
+    ratio = exp(clamp(pi_logprobs - pi_old_logprobs, -20, 20));
+    loss_t = -min(ratio * A_t, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A_t).
+
+    Args:
+        pi_logprobs: (B, T) log-probs under the policy being trained (with grad).
+        pi_old_logprobs: (B, T) log-probs under the rollout policy.
+        advantages: (B, T).
+        action_mask: (B, T).
+        clip_eps: epsilon of the ratio clip.
+    Returns:
+        (loss, stats): scalar loss; ``clip_frac`` = fraction of action tokens where the clipped term is the
+        (strict) minimum, so its gradient is 0; ``approx_kl`` = token mean of pi_old_logprobs - pi_logprobs.
+    """
+    log_ratio = (pi_logprobs - pi_old_logprobs).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    surr = ratio * advantages
+    surr_clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    loss = masked_mean(-torch.min(surr, surr_clipped), action_mask)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((surr_clipped < surr).to(surr.dtype), action_mask).item(),
+            "approx_kl": masked_mean(-log_ratio, action_mask).item(),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_eps: float | None = 0.5,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss, token mean over every action token of the batch.
+
+    v_clip = old + clamp(v - old, -c, c);  loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2).
+    ``clip_eps=None``: loss_t = 0.5 * (v - R)^2.
+
+    Args:
+        values: (B, T) critic values being trained (with grad).
+        old_values: (B, T) critic values from the rollout.
+        returns: (B, T) GAE returns.
+        action_mask: (B, T).
+        clip_eps: c, or None for no clipping.
+    Returns:
+        (loss, stats): scalar loss; ``value_clip_frac`` = fraction of action tokens where the clipped term is
+        the (strict) maximum (0.0 without clipping).
+    """
+    err = (values - returns).square()
+    if clip_eps is None:
+        return 0.5 * masked_mean(err, action_mask), {"value_clip_frac": 0.0}
+    values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    err_clipped = (values_clipped - returns).square()
+    loss = 0.5 * masked_mean(torch.max(err, err_clipped), action_mask)
+    with torch.no_grad():
+        clip_frac = masked_mean((err_clipped > err).to(err.dtype), action_mask).item()
+    return loss, {"value_clip_frac": clip_frac}
+
+
+class FixedKLController:
+    """A constant KL coefficient; ``update`` does nothing."""
+
+    def __init__(self, value: float):
+        self.value = float(value)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """KL coefficient steered towards a target KL (Ziegler et al. 2019, OpenRLHF ``kl_controller.py``).
+
+    update: error = clip(current_kl / target - 1, -0.2, 0.2);  value *= 1 + error * n_steps / horizon.
+    """
+
+    def __init__(self, init_value: float, target: float, horizon: float):
+        self.value = float(init_value)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        # Only the evolving coefficient: target and horizon come from the config of the resumed run.
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+def make_kl_controller(
+    init_value: float, target: float | None = None, horizon: float = 10000
+) -> FixedKLController | AdaptiveKLController:
+    """Fixed controller when ``target`` is None, adaptive otherwise."""
+    if init_value < 0:
+        raise ValueError(f"KL coefficient must be >= 0, got {init_value}")
+    if target is None:
+        return FixedKLController(init_value)
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got target={target}, horizon={horizon}")
+    return AdaptiveKLController(init_value, target, horizon)
