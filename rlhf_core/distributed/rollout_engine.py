@@ -67,7 +67,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
     ):
         # Read by vLLM's CPU backend when the engine starts (ignored on GPU, where gpu_memory_utilization rules).
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         import vllm
 
         start = time.perf_counter()
@@ -332,19 +332,22 @@ def connect_weight_sync(
     try:
         sender = WeightSender(master_addr, master_port, world_size, group_name, timeout_s)
     except Exception:
-        _raise_engine_error(joins)
+        _report_engine_errors(joins)
         raise
     ray.get(joins)
     return sender
 
 
-def _raise_engine_error(refs: list[Any], wait_s: float = 5.0) -> None:
-    """After a failed collective on this side, surface an engine's own error if one already failed."""
+def _report_engine_errors(refs: list[Any], wait_s: float = 10.0) -> None:
+    """After a failed collective on this side, log what the engines said (their errors, if they failed first)."""
     import ray
 
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
     for ref in done:
-        ray.get(ref)  # raises the engine's exception, if any
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - reported, the caller re-raises its own error
+            logger.error("rollout engine side of the weight sync failed: %s", e)
 
 
 def sync_weights(
@@ -375,9 +378,12 @@ def sync_weights(
         specs = [spec_of(name, t) for name, t in named_tensors]
     receipts = [e.receive_weights.remote(specs) for e in engines]
     try:
+        # On an error here (a failed gather, a tensor that does not match its spec) the sender tells the engines to
+        # abort, so they fail at once instead of waiting in the broadcast; their weights are then partly updated and
+        # the next successful sync_weights repairs them.
         sender.broadcast(named_tensors, specs=specs)
     except Exception:
-        _raise_engine_error(receipts)
+        _report_engine_errors(receipts)
         raise
     ray.get(receipts)
     elapsed = time.perf_counter() - start

@@ -111,20 +111,37 @@ class WeightSender:
     def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], specs: list[WeightSpec] | None = None) -> None:
         """Send each tensor, in order. Tensors must be full (gathered, not ZeRO-3 shards); they are moved to CPU and
         made contiguous here, as gloo needs. With ``specs`` (what the receivers were told), each tensor is checked
-        against its spec before it is sent, so a mismatch fails on this side instead of corrupting the receivers."""
+        against its spec before it is sent.
+
+        Each tensor is preceded by a one-element header (1: a tensor follows, 0: abort). If producing or checking a
+        tensor fails here (a failed gather, a spec mismatch), the receivers get the abort header and raise at once
+        instead of waiting in the broadcast until the group's timeout; the exception is then re-raised here."""
+        if self._group is None:
+            raise RuntimeError("the weight sender is closed")
         start = time.perf_counter()
         count = 0
-        for i, (name, tensor) in enumerate(named_tensors):
-            t = tensor.detach().to("cpu").contiguous()
-            if specs is not None:
-                if i >= len(specs):
-                    raise ValueError(f"more tensors than the {len(specs)} announced specs (extra: {name})")
-                if spec_of(name, t) != tuple(specs[i]):
-                    raise ValueError(f"tensor {i} is {spec_of(name, t)} but the receivers expect {specs[i]}")
+        iterator = iter(named_tensors)
+        while True:
+            try:
+                item = next(iterator, None)
+                if item is None:
+                    if specs is not None and count != len(specs):
+                        raise ValueError(f"got {count} tensors but {len(specs)} were announced")
+                    break
+                name, tensor = item
+                t = tensor.detach().to("cpu").contiguous()
+                if specs is not None:
+                    if count >= len(specs):
+                        raise ValueError(f"more tensors than the {len(specs)} announced (extra: {name})")
+                    if spec_of(name, t) != tuple(specs[count]):
+                        raise ValueError(f"tensor {count} is {spec_of(name, t)}, the receivers expect {specs[count]}")
+            except BaseException:
+                if specs is None or count < len(specs):
+                    _broadcast(self._group, torch.zeros(1, dtype=torch.int64))  # abort
+                raise
+            _broadcast(self._group, torch.ones(1, dtype=torch.int64))
             _broadcast(self._group, t)
             count += 1
-        if specs is not None and count != len(specs):
-            raise ValueError(f"sent {count} tensors but {len(specs)} were announced: the receivers are left waiting")
         self.last_sync_s = time.perf_counter() - start
         logger.info("weight sync: broadcast %d tensors in %.3f s", count, self.last_sync_s)
 
@@ -168,6 +185,10 @@ class WorkerWeightReceiver:
         return time.perf_counter() - start
 
 
+class WeightSyncAborted(RuntimeError):
+    """The sender stopped a sync midway (its own error is raised on its side)."""
+
+
 class _ReceiveStream:
     """Receives the announced tensors lazily (one at a time, so at most one extra copy of a tensor is alive)."""
 
@@ -175,8 +196,14 @@ class _ReceiveStream:
         self.group = group
         self.specs = [(str(n), str(d), tuple(int(s) for s in shape)) for n, d, shape in specs]
         self.received = 0
+        self.aborted = False
 
     def _next(self) -> tuple[str, torch.Tensor]:
+        header = torch.zeros(1, dtype=torch.int64)
+        _broadcast(self.group, header)
+        if int(header.item()) != 1:
+            self.aborted = True
+            raise WeightSyncAborted(f"the sender aborted the weight sync after {self.received}/{len(self.specs)} tensors")
         name, dtype, shape = self.specs[self.received]
         tensor = torch.empty(shape, dtype=to_dtype(dtype))
         _broadcast(self.group, tensor)
@@ -184,11 +211,12 @@ class _ReceiveStream:
         return name, tensor
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while self.received < len(self.specs):
+        while self.received < len(self.specs) and not self.aborted:
             yield self._next()
 
     def drain(self) -> None:
-        while self.received < len(self.specs):
+        """Receive what is left (the loader stopped early or failed), to stay in lockstep with the sender."""
+        while self.received < len(self.specs) and not self.aborted:
             self._next()
 
 

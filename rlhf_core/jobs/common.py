@@ -6,11 +6,13 @@ import argparse
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_core.config import ConfigError, PipelineConfig, load_config
+from rlhf_core.config import ConfigError, PipelineConfig, load_config, stage_hash
 from rlhf_core.data.sampler import total_steps
+from rlhf_core.distributed.trainer import StageContext
 from rlhf_core.models.builders import check_model_source
 from rlhf_core.storage import ArtifactError, ObjectStore, storage_options_for
 from rlhf_core.types import CheckpointRef
@@ -83,6 +85,43 @@ def existing_output(store: ObjectStore, stage: str, config_hash: str) -> Checkpo
     if manifest.config_hash != config_hash:
         return None
     return CheckpointRef(store.uri(stage), stage, int(manifest.metrics.get("steps", 0)), config_hash, manifest.metrics)
+
+
+@dataclass
+class StageSetup:
+    """A stage's resolved inputs: its config section, store, scratch dir, model path, upstream hashes, config hash,
+    and its committed output when one already exists for this config hash (then there is nothing to do)."""
+
+    stage: str
+    section: Any
+    store: ObjectStore
+    work: str
+    model_path: str
+    upstream: dict[str, str]
+    config_hash: str
+    done: CheckpointRef | None
+
+    def context(self) -> StageContext:
+        s = self.section
+        return StageContext(
+            stage=self.stage, run_uri=self.store.root_uri, storage_options=self.store.fs.storage_options,
+            config_hash=self.config_hash, model_path=self.model_path, tokenizer_path=s.model.tokenizer,
+            init_seed=s.model.init_seed, strategy=s.strategy, optim=s.optim, train=s.train, work_dir=self.work,
+            fail_after_step=fail_after_step(), upstream=self.upstream,
+        )  # fmt: skip
+
+
+def setup_stage(cfg: PipelineConfig, stage: str) -> StageSetup:
+    """Resolve the stage's model (verifying an upstream stage's output), hash its config, look for its output."""
+    section = cfg.stage(stage)
+    store = open_store(cfg)
+    work = work_dir(stage)
+    model_path, upstream = resolve_model(store, section.model.name_or_path, f"{stage}.model.name_or_path", work)
+    config_hash = stage_hash(section, upstream)
+    done = existing_output(store, stage, config_hash)
+    if done is not None:
+        print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
+    return StageSetup(stage, section, store, work, model_path, upstream, config_hash, done)
 
 
 def check_steps(stage: str, section: Any, n_rows: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.config import ConfigError, PipelineConfig, stage_hash
+from rlhf_core.config import ConfigError, PipelineConfig
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import load_tokenizer
 from rlhf_core.types import CheckpointRef
@@ -26,17 +26,12 @@ STAGE = "critic_init"
 def run(cfg: PipelineConfig) -> CheckpointRef:
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    section = cfg.stage(STAGE)
-    store = common.open_store(cfg)
-    work = common.work_dir(STAGE)
-
     # 1. the reward model, verified
+    st = common.setup_stage(cfg, STAGE)
+    if st.done is not None:
+        return st.done
+    section, store, work, rm_path = st.section, st.store, st.work, st.model_path
     key = "critic_init.model.name_or_path"
-    rm_path, upstream = common.resolve_model(store, section.model.name_or_path, key, work)
-    config_hash = stage_hash(section, upstream)
-    if (done := common.existing_output(store, STAGE, config_hash)) is not None:
-        print(f"[{STAGE}] {done.uri} is already complete for config {config_hash}; nothing to do")
-        return done
     rm_config = AutoConfig.from_pretrained(rm_path)
     if not any("ForSequenceClassification" in a for a in rm_config.architectures or []) or rm_config.num_labels != 1:
         raise ConfigError(f"'{key}' = {section.model.name_or_path} is not a reward model (one-output classifier)")
@@ -54,11 +49,11 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
         "reward_std": getattr(rm_config, "reward_std", None),
     }
     store.put_artifact(
-        str(out), STAGE, stage=STAGE, config_hash=config_hash, metrics=metrics, extra={"upstream": upstream},
+        str(out), STAGE, stage=STAGE, config_hash=st.config_hash, metrics=metrics, extra={"upstream": st.upstream},
         clear=False,
     )  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
-    return CheckpointRef(store.uri(STAGE), STAGE, 0, config_hash, metrics)
+    return CheckpointRef(store.uri(STAGE), STAGE, 0, st.config_hash, metrics)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.algos.losses import pairwise_reward_loss
-from rlhf_core.config import PipelineConfig, stage_hash
+from rlhf_core.config import PipelineConfig
 from rlhf_core.data.examples import pad_right, preference_examples
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
@@ -69,34 +69,22 @@ class RewardModelImpl:
 
 
 def run(cfg: PipelineConfig) -> CheckpointRef:
-    section = cfg.stage(STAGE)
-    store = common.open_store(cfg)
-    work = common.work_dir(STAGE)
-
     # 1. inputs: model, config hash, finished output
-    key = "reward_model.model.name_or_path"
-    model_path, upstream = common.resolve_model(store, section.model.name_or_path, key, work)
-    config_hash = stage_hash(section, upstream)
-    if (done := common.existing_output(store, STAGE, config_hash)) is not None:
-        print(f"[{STAGE}] {done.uri} is already complete for config {config_hash}; nothing to do")
-        return done
+    st = common.setup_stage(cfg, STAGE)
+    if st.done is not None:
+        return st.done
 
     # 2. data, tokenized and checked before any worker starts
-    tokenizer = load_tokenizer(model_path, section.model.tokenizer)
-    train = preference_examples(section.data, tokenizer, "train", store.fs.storage_options)
-    held_out = preference_examples(section.data, tokenizer, "eval", store.fs.storage_options)
+    section, options = st.section, st.store.fs.storage_options
+    tokenizer = load_tokenizer(st.model_path, section.model.tokenizer)
+    train = preference_examples(section.data, tokenizer, "train", options)
+    held_out = preference_examples(section.data, tokenizer, "eval", options)
     common.check_steps(STAGE, section, len(train))
 
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
-    ctx = StageContext(
-        stage=STAGE, run_uri=store.root_uri, storage_options=store.fs.storage_options, config_hash=config_hash,
-        model_path=model_path, tokenizer_path=section.model.tokenizer, init_seed=section.model.init_seed,
-        strategy=section.strategy, optim=section.optim, train=section.train, work_dir=work,
-        fail_after_step=common.fail_after_step(), upstream=upstream,
-    )  # fmt: skip
     impl = RewardModelImpl(section.margin)
-    metrics = launcher.run_group(section.strategy, SupervisedTrainer, impl, ctx, train, held_out)[0]
-    return CheckpointRef(store.uri(STAGE), STAGE, metrics["steps"], config_hash, metrics)
+    metrics = launcher.run_group(section.strategy, SupervisedTrainer, impl, st.context(), train, held_out)[0]
+    return CheckpointRef(st.store.uri(STAGE), STAGE, metrics["steps"], st.config_hash, metrics)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.algos.losses import sft_loss
-from rlhf_core.config import PipelineConfig, stage_hash
+from rlhf_core.config import PipelineConfig
 from rlhf_core.data.examples import pad_right, sft_examples
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
@@ -54,32 +54,21 @@ class SFTImpl:
 
 
 def run(cfg: PipelineConfig) -> CheckpointRef:
-    section = cfg.stage(STAGE)
-    store = common.open_store(cfg)
-    work = common.work_dir(STAGE)
-
     # 1. inputs: model, config hash, finished output
-    model_path, upstream = common.resolve_model(store, section.model.name_or_path, "sft.model.name_or_path", work)
-    config_hash = stage_hash(section, upstream)
-    if (done := common.existing_output(store, STAGE, config_hash)) is not None:
-        print(f"[{STAGE}] {done.uri} is already complete for config {config_hash}; nothing to do")
-        return done
+    st = common.setup_stage(cfg, STAGE)
+    if st.done is not None:
+        return st.done
 
     # 2. data, tokenized and checked here so that bad rows fail before any worker starts
-    tokenizer = load_tokenizer(model_path, section.model.tokenizer)
-    train = sft_examples(section.data, tokenizer, "train", store.fs.storage_options)
-    held_out = sft_examples(section.data, tokenizer, "eval", store.fs.storage_options) if section.data.eval_path else []
+    section, options = st.section, st.store.fs.storage_options
+    tokenizer = load_tokenizer(st.model_path, section.model.tokenizer)
+    train = sft_examples(section.data, tokenizer, "train", options)
+    held_out = sft_examples(section.data, tokenizer, "eval", options) if section.data.eval_path else []
     common.check_steps(STAGE, section, len(train))
 
     # 3. train on the Ray group; rank 0 exports and commits
-    ctx = StageContext(
-        stage=STAGE, run_uri=store.root_uri, storage_options=store.fs.storage_options, config_hash=config_hash,
-        model_path=model_path, tokenizer_path=section.model.tokenizer, init_seed=section.model.init_seed,
-        strategy=section.strategy, optim=section.optim, train=section.train, work_dir=work,
-        fail_after_step=common.fail_after_step(), upstream=upstream,
-    )  # fmt: skip
-    metrics = launcher.run_group(section.strategy, SupervisedTrainer, SFTImpl(), ctx, train, held_out)[0]
-    return CheckpointRef(store.uri(STAGE), STAGE, metrics["steps"], config_hash, metrics)
+    metrics = launcher.run_group(section.strategy, SupervisedTrainer, SFTImpl(), st.context(), train, held_out)[0]
+    return CheckpointRef(st.store.uri(STAGE), STAGE, metrics["steps"], st.config_hash, metrics)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def hf_logprobs(model, seqs):
 
 
 def max_diff(a, b):
-    return max(float((torch.tensor(x) - y).abs().max()) for x, y in zip(a, b))
+    return max(float((torch.as_tensor(x) - y).abs().max()) for x, y in zip(a, b))
 
 
 def perturbed(model, seed, scale=0.05):
@@ -59,6 +59,30 @@ def perturbed(model, seed, scale=0.05):
         for p in other.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
     return other
+
+
+def eos_model(model, eos_id):
+    """Weights under which EOS is (almost surely) the first token: the residual stream is the embedding, whose
+    dimension 0 is set to 1, the final norm keeps only that dimension, and only EOS's output row reads it."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
+                p.zero_()
+        other.model.embed_tokens.weight[:, 0] = 1.0
+        other.model.norm.weight.zero_()
+        other.model.norm.weight[0] = 1.0
+        other.lm_head.weight[eos_id, 0] = 100.0
+    return other
+
+
+def failing(named_tensors, after):
+    for i, item in enumerate(named_tensors):
+        if i == after:
+            raise RuntimeError("gather failed")
+        yield item
 
 
 def check_responses(responses, n_prompts, n, max_new, eos_id):
@@ -107,12 +131,23 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     trained2 = perturbed(model, seed=2)
     target2 = hf_logprobs(trained2, seqs)
     assert max_diff(target2, target) > 0.01
-    sync2_s = sync_weights(sender, [engine], trained2.named_parameters())
+    named2 = list(trained2.named_parameters())
+    specs = [(n, "float32", tuple(p.shape)) for n, p in named2]
+    # a sync that fails on the trainer side midway: the engine is told to abort instead of hanging in the broadcast
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="gather failed"):
+        sync_weights(sender, [engine], failing(named2, after=3), specs=specs)
+    abort_s = time.perf_counter() - t0
+    sync2_s = sync_weights(sender, [engine], iter(named2), specs=specs)  # lazy tensors with announced specs
     assert max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target2) < 1e-3
     check_responses(ray.get(engine.generate.remote(prompts, sampling)), len(prompts), 2, 8, tok.eos_token_id)
+
+    # the responses follow the synced weights, EOS included in the output
+    sync_weights(sender, [engine], eos_model(model, tok.eos_token_id).named_parameters())
+    assert ray.get(engine.generate.remote(prompts, sampling)) == [[tok.eos_token_id]] * 8
     print(
         f"\nvLLM engine start {start_s:.1f} s, generate {gen_s:.2f} s, connect {connect_s:.2f} s, "
-        f"sync {sync_s:.2f} s / {sync2_s:.2f} s, log-prob diff before {before:.3f} after {after:.2e}"
+        f"sync {sync_s:.2f} s / {sync2_s:.2f} s, aborted sync {abort_s:.2f} s, log-prob diff before {before:.3f} after {after:.2e}"
     )
     ray.kill(engine, no_restart=True)
 
@@ -143,4 +178,6 @@ def test_hf_engine_generate_load_and_sync(ray_cluster, tiny):
     sync_weights(None, [remote], trained.named_parameters())
     assert max_diff(ray.get(remote.sequence_logprobs.remote(seqs)), hf_logprobs(trained, seqs)) < 1e-5
     check_responses(ray.get(remote.generate.remote(prompts, sampling)), len(prompts), 3, 6, tok.eos_token_id)
+    sync_weights(sender, [remote], eos_model(model, tok.eos_token_id).named_parameters())
+    assert ray.get(remote.generate.remote(prompts, sampling)) == [[tok.eos_token_id]] * 12
     ray.kill(remote, no_restart=True)
