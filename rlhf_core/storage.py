@@ -254,12 +254,15 @@ class ObjectStore:
         except ArtifactError:
             return False
 
-    def download_artifact(self, rel: str, local_dir: str | os.PathLike) -> Manifest:
-        """Download every file in rel's manifest to local_dir, verify sha256, write the manifest last."""
+    def download_artifact(self, rel: str, local_dir: str | os.PathLike, only: str | None = None) -> Manifest:
+        """Download every file in rel's manifest (or those under the subfolder ``only``) to local_dir, verify
+        sha256, write the manifest last."""
         m = self.read_manifest(rel, verify=False)
         out = Path(local_dir)
         out.mkdir(parents=True, exist_ok=True)
         for name, ent in sorted(m.files.items()):
+            if only is not None and not name.startswith(only.rstrip("/") + "/"):
+                continue
             dest = out / name
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:

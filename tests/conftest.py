@@ -19,7 +19,7 @@ def ray_cluster():
     """One local Ray for the whole session (the jobs reuse an initialised Ray instead of starting their own)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True)  # logical CPUs: roles share the 2 cores
     yield
     ray.shutdown()
 

@@ -49,8 +49,8 @@ def _split_conversation(value: Any, tokenizer: Any, cfg: DataConfig, where: str)
     return split_hh(value, where)
 
 
-def encode(tokenizer: Any, prompt_text: str, response_text: str, max_len: int, where: str) -> tuple[list[int], int]:
-    """Token ids of prompt + response + EOS, and the prompt length; long responses are truncated to ``max_len``."""
+def encode_prompt(tokenizer: Any, prompt_text: str, max_len: int, where: str) -> list[int]:
+    """Prompt token ids (BOS added unless the text already starts with it); refused at ``max_len`` tokens or more."""
     bos = tokenizer.bos_token
     add_special = not (bos and prompt_text.startswith(bos))  # chat templates that write BOS themselves
     prompt_ids = tokenizer(prompt_text, add_special_tokens=add_special)["input_ids"]
@@ -59,6 +59,12 @@ def encode(tokenizer: Any, prompt_text: str, response_text: str, max_len: int, w
             f"{where}: the prompt has {len(prompt_ids)} tokens but data.max_len is {max_len} "
             "(prompt plus at least one response token); raise data.max_len or drop the row"
         )
+    return prompt_ids
+
+
+def encode(tokenizer: Any, prompt_text: str, response_text: str, max_len: int, where: str) -> tuple[list[int], int]:
+    """Token ids of prompt + response + EOS, and the prompt length; long responses are truncated to ``max_len``."""
+    prompt_ids = encode_prompt(tokenizer, prompt_text, max_len, where)
     response_ids = tokenizer(response_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = (prompt_ids + response_ids)[:max_len]
     return ids, len(prompt_ids)
@@ -116,3 +122,20 @@ def pad_right(sequences: list[list[int]], pad_value: int) -> "torch.Tensor":
 
     width = max(len(s) for s in sequences)
     return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
+
+
+def prompt_examples(
+    cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None,
+    max_rows: int | None = None,
+) -> list[dict]:  # fmt: skip
+    """[{'prompt_ids', 'prompt'}] for RL: the rendered prompt's ids and the raw prompt value."""
+    source, rows = _rows(cfg, split, storage_options)
+    if max_rows is not None:
+        rows = rows[:max_rows]
+    require_keys(rows, [cfg.input_key], source)
+    out = []
+    for i, row in enumerate(rows, start=1):
+        text = render_prompt(row[cfg.input_key], tokenizer, cfg)
+        ids = encode_prompt(tokenizer, text, cfg.max_len, f"{source} row {i}")
+        out.append({"prompt_ids": ids, "prompt": row[cfg.input_key]})
+    return out

@@ -73,21 +73,31 @@ class _Shell:
 
 
 class RayWorkerGroup:
-    """``num_workers`` Ray actors hosting ``factory(*args)`` each, forming one torch.distributed world."""
+    """``num_workers`` Ray actors hosting ``factory(*args)`` each, forming one torch.distributed world.
 
-    def __init__(self, cfg: StrategyConfig, factory: Callable[..., Any], *args: Any, name: str = "worker"):
+    With ``placement`` (a placement group from ``colocation_group``) worker i is pinned to bundle i and takes
+    ``share`` of that bundle's device, so that several roles share devices (OpenRLHF's colocation).
+    """
+
+    def __init__(
+        self, cfg: StrategyConfig, factory: Callable[..., Any], *args: Any, name: str = "worker",
+        placement: Any = None, share: float = 1.0,
+    ):  # fmt: skip
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         device = resolve_device(cfg.device)
-        gpus = 1 if device == "cuda" else 0
+        gpus = share if device == "cuda" else 0
         remote_shell = ray.remote(_Shell)
         base_env = {"RLHF_DEVICE": device, "TOKENIZERS_PARALLELISM": "false"}
-        self.actors = [
-            remote_shell.options(num_cpus=cfg.cpus_per_worker, num_gpus=gpus, name=None).remote(
-                base_env, cfg.threads_per_worker
-            )
-            for _ in range(cfg.num_workers)
-        ]
+        self.actors = []
+        for rank in range(cfg.num_workers):
+            options: dict[str, Any] = {"num_cpus": cfg.cpus_per_worker, "num_gpus": gpus}
+            if placement is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement, placement_group_bundle_index=rank
+                )
+            self.actors.append(remote_shell.options(**options).remote(base_env, cfg.threads_per_worker))
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get(
             [
@@ -110,7 +120,20 @@ class RayWorkerGroup:
         """Run ``method`` on every rank at once (collectives need all ranks) and return the results in rank order."""
         import ray
 
-        return ray.get([actor.call.remote(method, *args, **kwargs) for actor in self.actors])
+        return ray.get(self.call_async(method, *args, **kwargs))
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [actor.call.remote(method, *args, **kwargs) for actor in self.actors]
+
+    def call_each_async(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
+        """``method(shards[rank], *args)`` on each rank; returns the ObjectRefs."""
+        assert len(shards) == len(self.actors), f"{len(shards)} shards for {len(self.actors)} workers"
+        return [actor.call.remote(method, shard, *args) for actor, shard in zip(self.actors, shards)]
+
+    def call_each(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
+        import ray
+
+        return ray.get(self.call_each_async(method, shards, *args))
 
     def shutdown(self) -> None:
         import ray
@@ -118,6 +141,17 @@ class RayWorkerGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+
+
+def colocation_group(bundles: int, cpus_per_bundle: float, device: str) -> Any:
+    """A PACK placement group of ``bundles`` bundles (one device each on GPU), ready to place workers on."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle = {"CPU": cpus_per_bundle, **({"GPU": 1} if device == "cuda" else {})}
+    group = placement_group([dict(bundle) for _ in range(bundles)], strategy="PACK")
+    ray.get(group.ready())
+    return group
 
 
 def run_group(cfg: StrategyConfig, factory: Callable[..., Any], *args: Any) -> list[Any]:

@@ -159,6 +159,8 @@ class HFGenerateEngine:
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(model_path)
         self.model = build_causal_lm(model_path, self.tokenizer, seed=seed, dtype=to_dtype(dtype), attn="sdpa")
+        if torch.cuda.is_available():  # a Ray actor given a GPU sees exactly that one
+            self.model.to("cuda")
         self.model.eval()
         self.seed = seed
         self.eos_id = self.tokenizer.eos_token_id
@@ -271,17 +273,21 @@ def create_engines(
     backend: Backend = "vllm",
     tensor_parallel_size: int = 1,
     num_cpus_per_engine: float = 1,
+    env_vars: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """``count`` Ray actors hosting a ``VLLMEngine`` or ``HFGenerateEngine`` each. Returns the handles at once; the
-    engines start in the background (``ray.get(handle.ready.remote())`` waits for one)."""
+    engines start in the background (``ray.get(handle.ready.remote())`` waits for one). ``kwargs`` go to the
+    engine's constructor; ``env_vars`` to the actors' environment (e.g. vLLM CPU's ``VLLM_CPU_OMP_THREADS_BIND``:
+    tensor_parallel_size=2 on a 2-core, 1-NUMA-node machine needs ``"0|1"`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``,
+    otherwise vLLM refuses to bind threads for 2 workers)."""
     import ray
 
     if backend not in ("vllm", "hf"):
         raise ValueError(f"unknown rollout backend {backend!r} (expected 'vllm' or 'hf')")
     gpus = _cluster_has_gpus()
     threads = max(1, int(num_cpus_per_engine))
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env_vars or {})}
     if backend == "vllm":
         if gpus and tensor_parallel_size > 1:
             # vLLM with TP > 1 on GPUs needs one placement group per engine (bundles of 1 GPU, vLLM's Ray executor

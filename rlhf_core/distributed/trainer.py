@@ -8,7 +8,7 @@ carries the stage's config hash; a restart resumes from the newest complete one 
 
 from __future__ import annotations
 
-import json
+import hashlib
 import random
 import shutil
 import time
@@ -154,49 +154,26 @@ class SupervisedTrainer:
     def _save_checkpoint(self, engine: Any, state: dict) -> None:
         ctx, strategy = self.ctx, self.strategy
         rel = checkpoint_rel(ctx.stage, state["step"])
-        local = self.work / "ckpt"
-        shutil.rmtree(local, ignore_errors=True)
-        strategy.save_checkpoint(engine, str(local), client_state={"trainer_state": dict(state)})
-        torch.save(_rng_state(), local / f"rng_rank{strategy.rank}.pt")
+        files = save_engine_shards(strategy, engine, self.store, rel, self.work / "ckpt", {"trainer_state": dict(state)})
         if strategy.rank == 0:
-            (local / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        files = self.store.upload_files(str(local), rel)
-        all_files = strategy.all_gather_object(files)
-        if strategy.rank == 0:
-            merged = {k: v for part in all_files for k, v in part.items()}
+            self.store.write_json(f"{rel}/trainer_state.json", state)
+            files["trainer_state.json"] = _entry_of_remote(self.store, f"{rel}/trainer_state.json")
             self.store.commit(
-                rel, stage=ctx.stage, config_hash=ctx.config_hash, files=merged, extra={"step": state["step"]}
+                rel, stage=ctx.stage, config_hash=ctx.config_hash, files=files, extra={"step": state["step"]}
             )
-            self._prune_checkpoints()
+            prune_checkpoints(self.store, ctx.stage, ctx.train.keep_last)
             self._log(f"checkpoint {self.store.uri(rel)}")
         strategy.barrier()
-        shutil.rmtree(local, ignore_errors=True)
-
-    def _prune_checkpoints(self) -> None:
-        base = f"{self.ctx.stage}/checkpoints"
-        complete = [d for d in sorted(self.store.list_dirs(base)) if self.store.is_complete(f"{base}/{d}")]
-        for name in complete[: -self.ctx.train.keep_last]:
-            self.store.delete(f"{base}/{name}")
 
     def _load_checkpoint(self, engine: Any, rel: str) -> dict:
-        local = self.work / "resume"
-        shutil.rmtree(local, ignore_errors=True)
-        self.store.download_artifact(rel, str(local))
-        client_state = self.strategy.load_checkpoint(engine, str(local))
-        _set_rng_state(torch.load(local / f"rng_rank{self.strategy.rank}.pt", weights_only=False))
-        shutil.rmtree(local, ignore_errors=True)
+        client_state = load_engine_shards(self.strategy, engine, self.store, rel, self.work / "resume")
         return dict(client_state["trainer_state"])
 
     # -- export -------------------------------------------------------------------------------------------------------
     def _export(self, module: nn.Module, weights: dict, tokenizer: Any, metrics: dict) -> None:
         hf_model = getattr(module, "hf_model", module)
-        prefix = "hf_model." if hf_model is not module else ""
-        weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         self.impl.finalize(hf_model, metrics)
-        local = self.work / "export"
-        shutil.rmtree(local, ignore_errors=True)
-        hf_model.save_pretrained(str(local), state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(str(local))
+        local = export_hf(module, weights, tokenizer, self.work / "export")
         self.store.put_artifact(
             str(local), self.ctx.stage, stage=self.ctx.stage, config_hash=self.ctx.config_hash,
             metrics=metrics, extra={"upstream": self.ctx.upstream}, clear=False,
@@ -206,6 +183,64 @@ class SupervisedTrainer:
     def _log(self, message: str) -> None:
         if self.strategy.rank == 0:
             print(f"[{self.ctx.stage}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pieces shared with the PPO roles (actor, critic): every rank saves and uploads its own shards, rank 0 commits.
+
+
+def save_engine_shards(
+    strategy: DeepSpeedStrategy, engine: Any, store: ObjectStore, rel: str, local: Path, client_state: dict,
+    sub: str = "",
+) -> dict[str, dict]:  # fmt: skip
+    """Collective: each rank writes its DeepSpeed shards and RNG state and uploads them to ``rel/sub``.
+
+    Returns the manifest entries of every rank's files (relative to ``rel``) on every rank; nothing is committed.
+    """
+    shutil.rmtree(local, ignore_errors=True)
+    strategy.save_checkpoint(engine, str(local), client_state=client_state)
+    torch.save(_rng_state(), local / f"rng_rank{strategy.rank}.pt")
+    files = store.upload_files(str(local), f"{rel}/{sub}" if sub else rel)
+    shutil.rmtree(local, ignore_errors=True)
+    prefix = f"{sub}/" if sub else ""
+    return {prefix + k: v for part in strategy.all_gather_object(files) for k, v in part.items()}
+
+
+def load_engine_shards(
+    strategy: DeepSpeedStrategy, engine: Any, store: ObjectStore, rel: str, local: Path, sub: str = ""
+) -> dict:
+    """Collective: each rank restores engine, optimizer, scheduler and its RNG state from a committed checkpoint."""
+    shutil.rmtree(local, ignore_errors=True)
+    store.download_artifact(rel, str(local), only=sub or None)
+    root = local / sub if sub else local
+    client_state = strategy.load_checkpoint(engine, str(root))
+    _set_rng_state(torch.load(root / f"rng_rank{strategy.rank}.pt", weights_only=False))
+    shutil.rmtree(local, ignore_errors=True)
+    return client_state
+
+
+def prune_checkpoints(store: ObjectStore, stage: str, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints of ``stage``."""
+    base = f"{stage}/checkpoints"
+    complete = [d for d in sorted(store.list_dirs(base)) if store.is_complete(f"{base}/{d}")]
+    for name in complete[:-keep_last]:
+        store.delete(f"{base}/{name}")
+
+
+def export_hf(module: nn.Module, weights: dict, tokenizer: Any, local: Path) -> Path:
+    """Write the Hugging Face model inside ``module`` (itself, or ``module.hf_model``) with gathered ``weights``."""
+    hf_model = getattr(module, "hf_model", module)
+    prefix = "hf_model." if hf_model is not module else ""
+    weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    shutil.rmtree(local, ignore_errors=True)
+    hf_model.save_pretrained(str(local), state_dict=weights, safe_serialization=True)
+    tokenizer.save_pretrained(str(local))
+    return local
+
+
+def _entry_of_remote(store: ObjectStore, rel: str) -> dict:
+    data = store.read_text(rel).encode()
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _seed_all(seed: int) -> None:

@@ -108,7 +108,9 @@ class WeightSender:
         )
         self.last_sync_s = 0.0
 
-    def broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], specs: list[WeightSpec] | None = None) -> None:
+    def broadcast(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], specs: list[WeightSpec] | None = None
+    ) -> None:
         """Send each tensor, in order. Tensors must be full (gathered, not ZeRO-3 shards); they are moved to CPU and
         made contiguous here, as gloo needs. With ``specs`` (what the receivers were told), each tensor is checked
         against its spec before it is sent.
@@ -176,13 +178,34 @@ class WorkerWeightReceiver:
         start = time.perf_counter()
         stream = _ReceiveStream(group, specs)
         try:
-            # reload_weights (the worker's, which sets vLLM's current config) takes Hugging Face names and tensors
-            # in checkpoint format and re-runs the post-load processing of the backend.
+            # The worker's reload_weights (it sets vLLM's current config) takes Hugging Face names and tensors in
+            # checkpoint format, maps them (stacked qkv, gate/up, TP shards) and re-runs the backend's post-load
+            # processing. The stream ends early on an abort from the sender, so the reload still finalises.
             self.reload_weights(weights_iterator=iter(stream), is_checkpoint_format=True)
+        except BaseException:
+            _reset_layerwise_reload(self)
+            raise
         finally:
             # Keep the collective in lockstep with the sender even if the loader stopped early or failed.
             stream.drain()
+        if stream.aborted:
+            raise WeightSyncAborted(
+                f"the sender aborted the weight sync after {stream.received}/{len(specs)} tensors: the layers it "
+                "completed hold new weights, a partly sent layer is undefined, until the next successful sync"
+            )
         return time.perf_counter() - start
+
+
+def _reset_layerwise_reload(worker: Any) -> None:
+    """vLLM's in-place reload wraps every layer's weight loaders and only unwraps them when it finishes; if loading
+    raised midway, every later reload fails ("'Parameter' object has no attribute 'weight_loader'"). Finalise it
+    here (best effort) so the next sync can succeed."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(worker.get_model(), worker.vllm_config.model_config)
+    except Exception as e:  # noqa: BLE001 - the original error is the one to raise
+        logger.warning("could not reset vLLM's layerwise reload after a failed weight sync: %s", e)
 
 
 class WeightSyncAborted(RuntimeError):
@@ -198,12 +221,12 @@ class _ReceiveStream:
         self.received = 0
         self.aborted = False
 
-    def _next(self) -> tuple[str, torch.Tensor]:
+    def _next(self) -> tuple[str, torch.Tensor] | None:
         header = torch.zeros(1, dtype=torch.int64)
         _broadcast(self.group, header)
         if int(header.item()) != 1:
             self.aborted = True
-            raise WeightSyncAborted(f"the sender aborted the weight sync after {self.received}/{len(self.specs)} tensors")
+            return None
         name, dtype, shape = self.specs[self.received]
         tensor = torch.empty(shape, dtype=to_dtype(dtype))
         _broadcast(self.group, tensor)
@@ -212,7 +235,10 @@ class _ReceiveStream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while self.received < len(self.specs) and not self.aborted:
-            yield self._next()
+            item = self._next()
+            if item is None:
+                return
+            yield item
 
     def drain(self) -> None:
         """Receive what is left (the loader stopped early or failed), to stay in lockstep with the sender."""
@@ -233,3 +259,5 @@ def receive_into_module(group: Any, specs: list[WeightSpec], module: torch.nn.Mo
                 state[name].copy_(tensor)
     finally:
         stream.drain()
+    if stream.aborted:
+        raise WeightSyncAborted(f"the sender aborted the weight sync after {stream.received}/{len(specs)} tensors")

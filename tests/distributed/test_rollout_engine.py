@@ -138,6 +138,11 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     with pytest.raises(RuntimeError, match="gather failed"):
         sync_weights(sender, [engine], failing(named2, after=3), specs=specs)
     abort_s = time.perf_counter() - t0
+    # a sync that fails on the engine side midway (a name vLLM does not know): the sender finishes, the engine
+    # reports the error, and the next sync still works
+    bogus = named2[:5] + [("model.layers.0.mlp.bogus.weight", torch.zeros(3))] + named2[5:]
+    with pytest.raises(ray.exceptions.RayTaskError, match="bogus"):
+        sync_weights(sender, [engine], bogus)
     sync2_s = sync_weights(sender, [engine], iter(named2), specs=specs)  # lazy tensors with announced specs
     assert max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target2) < 1e-3
     check_responses(ray.get(engine.generate.remote(prompts, sampling)), len(prompts), 2, 8, tok.eos_token_id)
@@ -147,7 +152,8 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     assert ray.get(engine.generate.remote(prompts, sampling)) == [[tok.eos_token_id]] * 8
     print(
         f"\nvLLM engine start {start_s:.1f} s, generate {gen_s:.2f} s, connect {connect_s:.2f} s, "
-        f"sync {sync_s:.2f} s / {sync2_s:.2f} s, aborted sync {abort_s:.2f} s, log-prob diff before {before:.3f} after {after:.2e}"
+        f"sync {sync_s:.2f} s / {sync2_s:.2f} s, aborted sync {abort_s:.2f} s, "
+        f"log-prob diff before {before:.3f} after {after:.2e}"
     )
     ray.kill(engine, no_restart=True)
 

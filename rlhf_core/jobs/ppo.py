@@ -1,0 +1,482 @@
+"""PPO stage: a single controller driving actor, critic, reward and reference Ray groups and rollout engines.
+
+After OpenRLHF's design: the actor (policy, DeepSpeed) starts from ``ppo.actor`` (usually ``stage:sft``), the critic
+from ``ppo.critic`` (``stage:critic_warmup`` or ``stage:critic_init``), the reward model and the reference policy
+are frozen. Each PPO step reads like its phases:
+
+  1. rollout      the engines (vLLM, or HF generate) sample n responses per prompt
+  2. experience   actor and reference log-probs, critic values, reward-model scores
+  3. advantages   normalised and clipped scores, token-level KL penalty, GAE
+  4. PPO epochs   actor (clipped policy loss, advantages whitened across all actor ranks) and critic together
+  5. weight sync  the actor's new weights go to the engines over a collective group (no disk)
+  6. logging      and, every ``save_steps``, a checkpoint of actor, critic and controller state
+
+Writes ``<run_uri>/ppo/`` (the policy, Hugging Face format), ``<run_uri>/ppo/critic/`` and
+``<run_uri>/ppo/metrics.json``. The critic warm-up stage runs this same loop with the actor frozen throughout.
+
+    python -m rlhf_core.jobs.ppo --config deployments/configs/tiny.yaml
+    python -m rlhf_core.jobs.ppo --config deployments/configs/tiny.yaml ppo.rollout.backend=hf ppo.train.max_steps=4
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from rlhf_core.algos.batching import make_sequences, shard_batch
+from rlhf_core.algos.ppo import approx_kl, clip_scores, gae, make_kl_controller, normalize_scores, token_rewards
+from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, StrategyConfig, TrainConfig, stage_hash
+from rlhf_core.data.examples import prompt_examples
+from rlhf_core.data.sampler import global_batch
+from rlhf_core.distributed import launcher
+from rlhf_core.distributed.trainer import checkpoint_rel, newest_checkpoint, prune_checkpoints
+from rlhf_core.jobs import common
+from rlhf_core.models.builders import BUILTIN_PREFIX, load_tokenizer
+from rlhf_core.storage import ObjectStore
+from rlhf_core.types import CheckpointRef
+
+STAGE = "ppo"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks made before any Ray actor starts
+
+
+def plan_steps(p: PPOConfig, num_prompts: int) -> int:
+    steps = num_prompts * p.train.num_episodes // p.train.rollout_batch_size
+    return min(steps, p.train.max_steps) if p.train.max_steps is not None else steps
+
+
+def optimizer_steps(p: PPOConfig, ppo_steps: int) -> int:
+    samples = p.train.rollout_batch_size * p.rollout.n_samples_per_prompt
+    return ppo_steps * samples // p.train.train_batch_size * p.algo.ppo_epochs
+
+
+def resource_demand(p: PPOConfig, device: str) -> dict[str, float]:
+    """Ray resources the roles and engines ask for (colocated roles share their partner's devices)."""
+    a, c = p.actor_strategy, p.critic_strategy
+    cpus = a.num_workers * a.cpus_per_worker + c.num_workers * c.cpus_per_worker
+    cpus += (p.reward_workers + p.reference_workers) * p.frozen_cpus_per_worker
+    cpus += p.rollout.num_engines * p.rollout.cpus_per_engine
+    demand = {"CPU": cpus}
+    if device == "cuda":
+        gpus = a.num_workers + c.num_workers + p.rollout.num_engines * p.rollout.tensor_parallel_size
+        gpus += 0 if (p.colocate_actor_ref or p.colocate_all) else p.reference_workers
+        gpus += 0 if (p.colocate_critic_reward or p.colocate_all) else p.reward_workers
+        if p.colocate_all:
+            gpus = max(a.num_workers, p.rollout.num_engines * p.rollout.tensor_parallel_size)
+        demand["GPU"] = gpus
+    return demand
+
+
+def check_fits(stage: str, p: PPOConfig, device: str, available: dict[str, float]) -> None:
+    """Refuse a layout that the cluster cannot place, naming what each role asks for."""
+    if device == "cpu" and p.rollout.backend == "vllm" and p.rollout.tensor_parallel_size != 1:
+        raise ConfigError(f"'{stage}.rollout.tensor_parallel_size' must be 1 for vLLM on CPU")
+    demand = resource_demand(p, device)
+    for resource, needed in demand.items():
+        have = available.get(resource, 0)
+        if needed > have:
+            raise ConfigError(
+                f"{stage}: the roles need {needed:g} {resource} but the Ray cluster has {have:g} "
+                f"(actor {p.actor_strategy.num_workers}, critic {p.critic_strategy.num_workers}, reward "
+                f"{p.reward_workers}, reference {p.reference_workers}, {p.rollout.num_engines} engine(s) x "
+                f"tensor_parallel_size {p.rollout.tensor_parallel_size}); lower "
+                f"'{stage}.rollout.num_engines' or the worker counts"
+            )
+
+
+def reward_stats(stage: str, p: PPOConfig, reward_path: str) -> tuple[float, float] | None:
+    """(mean, std) stored by the reward-model stage; refused when normalisation is on and they are missing."""
+    if not p.algo.normalize_reward:
+        return None
+    if not reward_path.startswith(BUILTIN_PREFIX):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(reward_path)
+        mean, std = getattr(config, "reward_mean", None), getattr(config, "reward_std", None)
+        if mean is not None and std is not None:
+            return float(mean), float(std)
+    raise ConfigError(
+        f"'{stage}.reward.name_or_path' = {p.reward.name_or_path} has no stored reward_mean/reward_std, but "
+        f"'{stage}.algo.normalize_reward' is on: use a reward-model stage output or set it to false"
+    )
+
+
+def load_gold(spec: str | None) -> Callable[[str, str], float] | None:
+    if spec is None:
+        return None
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"'train.gold_reward' = {spec!r} cannot be imported ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The controller
+
+
+class PPOController:
+    def __init__(self, stage: str, p: PPOConfig, st: "common.StageSetup", paths: dict[str, str], train_actor: bool):
+        self.stage, self.p, self.st, self.paths, self.train_actor = stage, p, st, paths, train_actor
+        self.store: ObjectStore = st.store
+        self.tokenizer = load_tokenizer(paths["actor"], p.actor.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id
+        options = self.store.fs.storage_options
+        self.prompts = prompt_examples(p.data, self.tokenizer, "train", options)
+        self.eval_prompts = (
+            prompt_examples(p.data, self.tokenizer, "eval", options, max_rows=p.train.eval_prompts)
+            if p.train.eval_prompts > 0 else []
+        )  # fmt: skip
+        self.steps = plan_steps(p, len(self.prompts))
+        if self.steps == 0:
+            raise ConfigError(
+                f"'{stage}.train.rollout_batch_size' = {p.train.rollout_batch_size} is larger than the "
+                f"{len(self.prompts)} prompts x {p.train.num_episodes} episodes: no PPO step would run"
+            )
+        self.stats = reward_stats(stage, p, paths["reward"])
+        self.gold = load_gold(p.train.gold_reward)
+        self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
+        self.device = launcher.resolve_device(p.actor_strategy.device)
+
+    # -- set-up -------------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        import ray
+
+        from rlhf_core.distributed.actor import PolicyActor
+        from rlhf_core.distributed.critic import CriticActor
+        from rlhf_core.distributed.reference import ReferencePolicy
+        from rlhf_core.distributed.reward import RewardScorer
+        from rlhf_core.distributed.role_base import RoleContext
+        from rlhf_core.distributed.rollout_engine import create_engines
+
+        p, t = self.p, self.p.train
+        demand = resource_demand(p, self.device)
+        self.started_ray = launcher.init_ray(min_cpus=demand["CPU"])
+        check_fits(self.stage, p, self.device, ray.cluster_resources())
+
+        samples = t.rollout_batch_size * p.rollout.n_samples_per_prompt
+        actor_steps = optimizer_steps(p, self.steps if self.train_actor else 0)
+        base = dict(
+            stage=self.stage, init_seed=0, micro_rollout_batch_size=t.micro_rollout_batch_size, algo=p.algo,
+            seed=t.seed, run_uri=self.store.root_uri, storage_options=self.store.fs.storage_options,
+            work_dir=self.st.work,
+            batch=TrainConfig(train_batch_size=t.train_batch_size, micro_train_batch_size=t.micro_train_batch_size),
+        )  # fmt: skip
+        actor_ctx = RoleContext(
+            role="actor", model_path=self.paths["actor"], tokenizer_path=p.actor.tokenizer,
+            strategy=p.actor_strategy, optim=p.actor_optim, total_optimizer_steps=actor_steps, **base,
+        )  # fmt: skip
+        critic_ctx = RoleContext(
+            role="critic", model_path=self.paths["critic"], tokenizer_path=p.critic.tokenizer,
+            strategy=p.critic_strategy, optim=p.critic_optim, total_optimizer_steps=optimizer_steps(p, self.steps),
+            **base,
+        )  # fmt: skip
+        frozen = lambda n: replace(p.actor_strategy, num_workers=n, cpus_per_worker=p.frozen_cpus_per_worker)  # noqa: E731
+        placement = {}
+        if p.colocate_all or p.colocate_actor_ref:
+            placement["actor"] = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
+        if p.colocate_critic_reward or p.colocate_all:
+            placement["critic"] = launcher.colocation_group(p.critic_strategy.num_workers, 1.0, self.device)
+        share = 0.5 if placement else 1.0
+        self.engines = create_engines(
+            p.rollout.num_engines, self.paths["actor"], backend=p.rollout.backend,
+            tensor_parallel_size=p.rollout.tensor_parallel_size, num_cpus_per_engine=p.rollout.cpus_per_engine,
+            **self._engine_kwargs(),
+        )  # fmt: skip
+        self.actor = launcher.RayWorkerGroup(
+            _zero_cpu_if_placed(p.actor_strategy, "actor" in placement), PolicyActor, actor_ctx,
+            placement=placement.get("actor"), share=share,
+        )  # fmt: skip
+        self.critic = launcher.RayWorkerGroup(
+            _zero_cpu_if_placed(p.critic_strategy, "critic" in placement), CriticActor, critic_ctx,
+            placement=placement.get("critic"), share=share,
+        )  # fmt: skip
+        precision = p.actor_strategy.precision
+        self.reward = launcher.RayWorkerGroup(
+            _zero_cpu_if_placed(frozen(p.reward_workers), "critic" in placement), RewardScorer, self.paths["reward"],
+            t.micro_rollout_batch_size, precision, placement=placement.get("critic"), share=share,
+        )  # fmt: skip
+        self.reference = launcher.RayWorkerGroup(
+            _zero_cpu_if_placed(frozen(p.reference_workers), "actor" in placement), ReferencePolicy,
+            self.paths["reference"], t.micro_rollout_batch_size, precision, placement=placement.get("actor"),
+            share=share,
+        )  # fmt: skip
+        ray.get(self.actor.call_async("setup") + self.critic.call_async("setup"))
+        ray.get([e.ready.remote() for e in self.engines])
+        self.actor.call("connect_engines", self.engines, p.rollout.backend == "vllm")
+        self.samples_per_step = samples
+
+    def _engine_kwargs(self) -> dict:
+        p = self.p
+        kwargs: dict[str, Any] = {"seed": p.train.seed}
+        dtype = "bfloat16" if p.actor_strategy.precision == "bf16" else "float32"
+        kwargs["dtype"] = dtype
+        if p.rollout.backend == "vllm":
+            kwargs.update(max_model_len=p.data.max_len + p.rollout.max_new_tokens, kv_cache_gib=p.rollout.kv_cache_gib)
+        return kwargs
+
+    def shutdown(self) -> None:
+        import ray
+
+        for group in ("actor", "critic", "reward", "reference"):
+            if hasattr(self, group):
+                getattr(self, group).shutdown()
+        for engine in getattr(self, "engines", []):
+            ray.kill(engine, no_restart=True)
+        if getattr(self, "started_ray", False):
+            ray.shutdown()
+
+    # -- phases -------------------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], sampling: Any) -> list[list[int]]:
+        """Responses for every prompt (n each, prompt-major), the prompts spread evenly over the engines."""
+        import ray
+
+        k = len(self.engines)
+        chunks = [prompt_ids[i * len(prompt_ids) // k : (i + 1) * len(prompt_ids) // k] for i in range(k)]
+        refs = [
+            e.generate.remote(chunk, replace(sampling, seed=sampling.seed + 7919 * i))
+            for i, (e, chunk) in enumerate(zip(self.engines, chunks)) if chunk
+        ]  # fmt: skip
+        responses = [r for part in ray.get(refs) for r in part]
+        eos = self.tokenizer.eos_token_id
+        return [r if r else [eos] for r in responses]
+
+    def experience(self, prompt_ids: list[list[int]], responses: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Sequences with old/reference log-probs, values and reward scores, each role on its own shards."""
+        import ray
+
+        n = len(responses) // len(prompt_ids)
+        expanded = [ids for ids in prompt_ids for _ in range(n)]
+        batch = make_sequences(expanded, responses, self.pad_id)
+        refs = {
+            "old_logprobs": self.actor.call_each_async("logprobs", shard_batch(batch, len(self.actor.actors))),
+            "ref_logprobs": self.reference.call_each_async("logprobs", shard_batch(batch, len(self.reference.actors))),
+            "values": self.critic.call_each_async("values", shard_batch(batch, len(self.critic.actors))),
+            "scores": self.reward.call_each_async("scores", shard_batch(batch, len(self.reward.actors))),
+        }
+        return {**batch, **{k: torch.cat(ray.get(v)) for k, v in refs.items()}}
+
+    def advantages(self, exp: dict[str, torch.Tensor]) -> dict[str, float]:
+        a = self.p.algo
+        scores = exp["scores"]
+        if self.stats is not None:
+            scores = normalize_scores(scores, *self.stats)
+        scores = clip_scores(scores, *a.reward_clip)
+        mask = exp["action_mask"]
+        kl = approx_kl(exp["old_logprobs"], exp["ref_logprobs"], mask, a.kl_estimator)
+        rewards = token_rewards(scores, kl, mask, self.kl_ctl.value)
+        exp["advantages"], exp["returns"] = gae(rewards, exp["values"], mask, a.gamma, a.lam)
+        seq_kl = (kl * mask).sum(1).mean().item()
+        return {"reward": scores.mean().item(), "rm_score": exp["scores"].mean().item(), "kl": seq_kl,
+                "response_len": mask.sum(1).float().mean().item(), "kl_coef": self.kl_ctl.value}  # fmt: skip
+
+    def train(self, exp: dict[str, torch.Tensor], step: int, actor_frozen: bool) -> dict[str, float]:
+        import ray
+
+        keys = ("input_ids", "attention_mask", "action_mask")
+        critic_batch = {k: exp[k] for k in keys} | {"old_values": exp["values"], "returns": exp["returns"]}
+        critic_refs = self.critic.call_each_async("fit", shard_batch(critic_batch, len(self.critic.actors)), step)
+        stats: dict[str, float] = {}
+        if not actor_frozen:
+            actor_batch = {k: exp[k] for k in keys} | {"old_logprobs": exp["old_logprobs"], "advantages": exp["advantages"]}
+            stats.update(self.actor.call_each("fit", shard_batch(actor_batch, len(self.actor.actors)), step)[0])
+        stats.update(ray.get(critic_refs)[0])
+        return stats
+
+    def push_weights(self) -> float:
+        return self.actor.call("push_weights")[0]
+
+    # -- evaluation ---------------------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Greedy responses to the held-out prompts: mean gold reward, mean RM score, KL to the reference."""
+        from rlhf_core.distributed.rollout_engine import SamplingConfig
+
+        if not self.eval_prompts:
+            return {}
+        ids = [e["prompt_ids"] for e in self.eval_prompts]
+        sampling = SamplingConfig(n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.p.rollout.max_new_tokens)
+        responses = self.generate(ids, sampling)
+        # pad the eval batch to a multiple every role can split
+        exp = self.experience(*_pad_to_multiple(ids, responses, self._row_multiple()))
+        count = len(ids)
+        mask = exp["action_mask"][:count]
+        kl = approx_kl(exp["old_logprobs"][:count], exp["ref_logprobs"][:count], mask, "k1")
+        out = {"rm_score": exp["scores"][:count].mean().item(), "kl_to_ref": (kl * mask).sum(1).mean().item()}
+        if self.gold is not None:
+            texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+            prompts = [e["prompt"] if isinstance(e["prompt"], str) else json.dumps(e["prompt"]) for e in self.eval_prompts]
+            out["gold_reward"] = sum(self.gold(pr, tx) for pr, tx in zip(prompts, texts)) / count
+        return out
+
+    def _row_multiple(self) -> int:
+        p = self.p
+        workers = [p.actor_strategy.num_workers, p.critic_strategy.num_workers, p.reward_workers, p.reference_workers]
+        return math.lcm(*workers) * p.train.micro_rollout_batch_size
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+    def save_checkpoint(self, state: dict) -> None:
+        rel = checkpoint_rel(self.stage, state["step"])
+        files = {**self.actor.call("save_shards", rel)[0], **self.critic.call("save_shards", rel)[0]}
+        state = dict(state, kl_ctl=self.kl_ctl.state_dict(), python_rng=_encode_rng())
+        text = json.dumps(state, indent=1)
+        self.store.write_text(f"{rel}/controller_state.json", text)
+        files["controller_state.json"] = {"size": len(text.encode()), "sha256": _sha256(text)}
+        self.store.commit(
+            rel, stage=self.stage, config_hash=self.st.config_hash, files=files, extra={"step": state["step"]}
+        )
+        prune_checkpoints(self.store, self.stage, self.p.train.keep_last)
+        print(f"[{self.stage}] checkpoint {self.store.uri(rel)}", flush=True)
+
+    def load_checkpoint(self, rel: str) -> dict:
+        self.actor.call("load_shards", rel)
+        self.critic.call("load_shards", rel)
+        state = json.loads(self.store.read_text(f"{rel}/controller_state.json"))
+        self.kl_ctl.load_state_dict(state.pop("kl_ctl"))
+        random.setstate(_decode_rng(state.pop("python_rng")))
+        return state
+
+    # -- the loop -----------------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        from rlhf_core.distributed.rollout_engine import SamplingConfig
+
+        p, t, stage = self.p, self.p.train, self.stage
+        state: dict[str, Any] = {"step": 0, "consumed_prompts": 0, "history": [], "before": None}
+        found = newest_checkpoint(self.store, stage, self.st.config_hash)
+        if found is not None:
+            state = self.load_checkpoint(found[1])
+            print(f"[{stage}] resumed from {self.store.uri(found[1])} at step {state['step']}", flush=True)
+            if self.train_actor:
+                self.push_weights()  # the engines start from the initial policy: give them the checkpointed one
+        resumed_from = state["step"]
+        if state["before"] is None:
+            state["before"] = self.evaluate()
+            print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
+
+        fail_after = common.fail_after_step()
+        for step in range(state["step"], self.steps):
+            started = time.time()
+            # 1. rollout: step k reads prompts [k*R, (k+1)*R) of the seeded prompt stream
+            indices = global_batch(len(self.prompts), t.rollout_batch_size, step, t.seed)
+            prompt_ids = [self.prompts[i]["prompt_ids"] for i in indices]
+            sampling = SamplingConfig(
+                n=p.rollout.n_samples_per_prompt, temperature=p.rollout.temperature, top_p=p.rollout.top_p,
+                max_new_tokens=p.rollout.max_new_tokens, seed=t.seed * 100_003 + step,
+            )  # fmt: skip
+            responses = self.generate(prompt_ids, sampling)
+            # 2. experience
+            exp = self.experience(prompt_ids, responses)
+            # 3. rewards (normalised RM score + KL penalty) and GAE
+            logs = self.advantages(exp)
+            # 4. PPO epochs: the critic always trains, the actor after the frozen warm-up steps
+            actor_frozen = not self.train_actor or step < t.freeze_actor_steps
+            logs.update(self.train(exp, step, actor_frozen))
+            # 5. weight sync to the engines
+            if not actor_frozen:
+                logs["sync_s"] = self.push_weights()
+            self.kl_ctl.update(logs["kl"], len(responses))
+            # 6. logging and checkpoints
+            state["step"], state["consumed_prompts"] = step + 1, (step + 1) * t.rollout_batch_size
+            state["history"].append({"step": step + 1, "prompts": indices, "actor_frozen": actor_frozen, **logs})
+            if (step + 1) % t.log_steps == 0 or step + 1 == self.steps:
+                print(f"[{stage}] step {step + 1}/{self.steps} {_fmt(logs)} ({time.time() - started:.1f}s)", flush=True)
+            if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < self.steps:
+                self.save_checkpoint(state)
+                if fail_after is not None and step + 1 >= fail_after:
+                    raise RuntimeError(f"injected failure after checkpoint at step {step + 1} (RLHF_FAIL_AFTER_STEP)")
+
+        after = self.evaluate()
+        print(f"[{stage}] after: {_fmt(after)}", flush=True)
+        metrics: dict[str, Any] = {"steps": self.steps, "resumed_from_step": resumed_from}
+        metrics.update({f"{k}_before": v for k, v in state["before"].items()})
+        metrics.update({f"{k}_after": v for k, v in after.items()})
+        last = state["history"][-1] if state["history"] else {}
+        metrics.update({k: last[k] for k in ("kl", "rm_score", "policy_loss", "critic_loss") if k in last})
+        self.history = state["history"]
+        return metrics
+
+
+def _zero_cpu_if_placed(s: StrategyConfig, placed: bool) -> StrategyConfig:
+    # Inside a placement-group bundle the roles share the bundle's CPU; each asks for a small slice of it.
+    return replace(s, cpus_per_worker=0.25) if placed else s
+
+
+def _pad_to_multiple(ids: list, responses: list, multiple: int) -> tuple[list, list]:
+    extra = (-len(ids)) % multiple
+    return ids + ids[:1] * extra, responses + responses[:1] * extra
+
+
+def _fmt(logs: dict) -> str:
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
+
+
+def _sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _encode_rng() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _decode_rng(value: list) -> tuple:
+    return (value[0], tuple(value[1]), value[2])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def resolve_roles(stage: str, p: PPOConfig, store: ObjectStore, work: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Loadable paths of the four models and the config hashes of the upstream stages they come from."""
+    paths, upstream = {}, {}
+    reference = p.reference or p.actor
+    for role, model in (("actor", p.actor), ("critic", p.critic), ("reward", p.reward), ("reference", reference)):
+        paths[role], up = common.resolve_model(store, model.name_or_path, f"{stage}.{role}.name_or_path", work)
+        upstream.update(up)
+    return paths, upstream
+
+
+def run(cfg: PipelineConfig, stage: str = STAGE, train_actor: bool = True) -> CheckpointRef:
+    p: PPOConfig = cfg.stage(stage)
+    store = common.open_store(cfg)
+    work = common.work_dir(stage)
+
+    # 1. inputs: the four models, config hash, finished output
+    paths, upstream = resolve_roles(stage, p, store, work)
+    config_hash = stage_hash(p, upstream)
+    if (done := common.existing_output(store, stage, config_hash)) is not None:
+        print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
+        return done
+    st = common.StageSetup(stage, p, store, work, paths["actor"], upstream, config_hash, None)
+
+    # 2. data and checks, before any Ray actor starts
+    controller = PPOController(stage, p, st, paths, train_actor)
+
+    # 3. roles, the loop, outputs
+    try:
+        controller.start()
+        metrics = controller.fit()
+        extra = {"upstream": upstream}
+        if train_actor and p.train.save_critic:
+            controller.critic.call("export", f"{stage}/critic", config_hash, metrics, extra)
+        store.write_json(f"{stage}/metrics.json", {"history": controller.history, "final": metrics})
+        group = controller.actor if train_actor else controller.critic
+        group.call("export", stage, config_hash, metrics, extra)
+    finally:
+        controller.shutdown()
+    return CheckpointRef(store.uri(stage), stage, metrics["steps"], config_hash, metrics)
+
+
+if __name__ == "__main__":
+    common.main(STAGE, run)
