@@ -191,7 +191,7 @@ class PPOTrainConfig:
     save_steps: int = opt(0, "Checkpoint every N PPO steps (0 = never).")
     keep_last: int = opt(3, "Keep the newest K complete checkpoints.")
     log_steps: int = opt(1, "Print metrics every N PPO steps.")
-    eval_prompts: int = opt(64, "Held-out prompts scored (greedy) before and after training.")
+    eval_prompts: int = opt(64, "Held-out prompts sampled and scored before and after training.")
     gold_reward: str | None = opt(
         "rlhf_core.data.synthetic:gold_reward", "module:function(prompt, response) -> float; null = none."
     )
@@ -351,6 +351,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"invalid value {value!r} for '{key}': expected an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"invalid value {value!r} for '{key}': expected a number")
         return float(value)

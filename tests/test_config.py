@@ -16,8 +16,8 @@ def test_tiny_preset_loads_with_stage_sections():
 
 
 def test_overrides_are_typed_and_win_over_yaml():
-    cfg = load_config(TINY, ["sft.optim.lr=0.5", "sft.strategy.zero_stage=3", "run_uri=s3://b/run"])
-    assert cfg.sft.optim.lr == 0.5 and cfg.sft.strategy.zero_stage == 3 and cfg.run_uri == "s3://b/run"
+    cfg = load_config(TINY, ["sft.optim.lr=1e-4", "sft.strategy.zero_stage=3", "run_uri=s3://b/run"])
+    assert cfg.sft.optim.lr == 1e-4 and cfg.sft.strategy.zero_stage == 3 and cfg.run_uri == "s3://b/run"
 
 
 def test_partial_section_keeps_the_stage_defaults():

@@ -297,13 +297,16 @@ class PPOController:
 
     # -- evaluation ---------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Greedy responses to the held-out prompts: mean gold reward, mean RM score, KL to the reference."""
+        """One sampled response per held-out prompt (rollout temperature, a fixed seed, so the runs before and after
+        training sample alike): mean gold reward, mean RM score, and KL to the reference (k1 summed per response)."""
         from rlhf_core.distributed.rollout_engine import SamplingConfig
 
         if not self.eval_prompts:
             return {}
         ids = [e["prompt_ids"] for e in self.eval_prompts]
-        sampling = SamplingConfig(n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.p.rollout.max_new_tokens)
+        r = self.p.rollout
+        sampling = SamplingConfig(n=1, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                  seed=self.p.train.seed + 1)  # fmt: skip
         responses = self.generate(ids, sampling)
         # pad the eval batch to a multiple every role can split
         exp = self.experience(*_pad_to_multiple(ids, responses, self._row_multiple()))
@@ -321,6 +324,19 @@ class PPOController:
         p = self.p
         workers = [p.actor_strategy.num_workers, p.critic_strategy.num_workers, p.reward_workers, p.reference_workers]
         return math.lcm(*workers) * p.train.micro_rollout_batch_size
+
+    # -- weight-sync check -------------------------------------------------------------------------------------------
+    def probe_logprobs(self) -> tuple[list[float], list[float]]:
+        """Log-probs of one fixed sequence from the first engine and from the actor (rank 0's copy)."""
+        import ray
+
+        text = "The garden is calm and lovely today."
+        probe = self.prompts[0]["prompt_ids"] + self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        engine_lp = ray.get(self.engines[0].sequence_logprobs.remote([probe]))[0]
+        rows = len(self.actor.actors)
+        batch = make_sequences([probe] * rows, [[]] * rows, self.pad_id)
+        actor_lp = self.actor.call_each("logprobs", shard_batch(batch, rows))[0][0].tolist()
+        return engine_lp, actor_lp
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict) -> None:
@@ -357,6 +373,7 @@ class PPOController:
             if self.train_actor:
                 self.push_weights()  # the engines start from the initial policy: give them the checkpointed one
         resumed_from = state["step"]
+        engine_lp_start, _ = self.probe_logprobs()
         if state["before"] is None:
             state["before"] = self.evaluate()
             print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
@@ -396,6 +413,10 @@ class PPOController:
         after = self.evaluate()
         print(f"[{stage}] after: {_fmt(after)}", flush=True)
         metrics: dict[str, Any] = {"steps": self.steps, "resumed_from_step": resumed_from}
+        # Proof of the weight sync: the engines now compute what the trained actor computes.
+        engine_lp, actor_lp = self.probe_logprobs()
+        metrics["sync_engine_vs_actor_max_diff"] = max(abs(a - b) for a, b in zip(engine_lp, actor_lp))
+        metrics["sync_engine_change_max"] = max(abs(a - b) for a, b in zip(engine_lp, engine_lp_start))
         metrics.update({f"{k}_before": v for k, v in state["before"].items()})
         metrics.update({f"{k}_after": v for k, v in after.items()})
         last = state["history"][-1] if state["history"] else {}
