@@ -1,4 +1,4 @@
-"""Run the supervised stages in order (SFT -> reward model -> critic init) in one process and print each result.
+"""Run the stages in order (SFT -> reward model -> critic init -> critic warm-up -> PPO) and print each result.
 
 This is the README's main job on the embedded default: a local Ray started by each stage, a local folder as the
 object store. Finished stages whose output is complete for the same config are not run again, and a stage that
@@ -15,12 +15,21 @@ import time
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.loading import DataError
-from rlhf_core.jobs import critic_init, reward_model, sft
+from rlhf_core.jobs import critic_init, critic_warmup, ppo, reward_model, sft
 from rlhf_core.models.builders import ModelPathError
 from rlhf_core.storage import ArtifactError
 
-STAGES = (("sft", sft.run), ("reward_model", reward_model.run), ("critic_init", critic_init.run))
-SHOWN = ("loss_start", "loss_end", "eval_loss", "eval_accuracy", "reward_mean", "reward_std", "steps")
+STAGES = (
+    ("sft", sft.run),
+    ("reward_model", reward_model.run),
+    ("critic_init", critic_init.run),
+    ("critic_warmup", critic_warmup.run),
+    ("ppo", ppo.run),
+)
+SHOWN = (
+    "loss_start", "loss_end", "eval_loss", "eval_accuracy", "reward_mean", "reward_std", "steps", "critic_loss",
+    "gold_reward_before", "gold_reward_after", "rm_score_before", "rm_score_after", "kl_to_ref_after",
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.overrides)
         results = []
         for name, run in STAGES:
+            if getattr(cfg, name) is None:
+                continue
             started = time.time()
             ref = run(cfg)
             results.append((name, ref, time.time() - started))

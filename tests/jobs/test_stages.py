@@ -5,37 +5,15 @@ One SFT run (2 workers, ZeRO-2) serves as the baseline for the ZeRO-3 runs, the 
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import gold_reward  # noqa: F401  (the task the reward model must learn)
 from rlhf_core.jobs import critic_init, reward_model, sft
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.storage import ObjectStore
-from tests.conftest import TINY
+from tests.jobs.conftest import RM_2W, SFT_2W, cfg_for, weights
 
 pytestmark = pytest.mark.slow
-
-# 2 workers x micro 8 = global batch 16 (no accumulation); 256 rows -> 16 steps; checkpoints every 4 steps.
-SFT_2W = ["sft.strategy.num_workers=2", "sft.data.max_samples=256", "sft.train.save_steps=4", "sft.train.keep_last=2"]
-RM_2W = ["reward_model.strategy.num_workers=2", "reward_model.train.micro_train_batch_size=8"]
-
-
-def cfg_for(run_dir, *overrides):
-    return load_config(TINY, [f"run_uri={run_dir}", *overrides])
-
-
-def weights(run_dir, stage):
-    return load_file(str(run_dir / stage / "model.safetensors"))
-
-
-@pytest.fixture(scope="session")
-def sft_run(tmp_path_factory, ray_cluster):
-    run_dir = tmp_path_factory.mktemp("sft-zero2")
-    ref = sft.run(cfg_for(run_dir, *SFT_2W))
-    return run_dir, ref
-
 
 def initial_weights():
     tok = load_tokenizer("builtin:tiny")

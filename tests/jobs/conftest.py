@@ -1,0 +1,38 @@
+"""Shared job fixtures: one SFT run (2 workers, ZeRO-2) and, on top of it, the inputs of the PPO stages."""
+
+import pytest
+from safetensors.torch import load_file
+
+from rlhf_core.config import load_config
+from rlhf_core.jobs import critic_init, critic_warmup, reward_model, sft
+from tests.conftest import TINY
+
+# 2 workers x micro 8 = global batch 16 (no accumulation); 256 rows -> 16 steps; checkpoints every 4 steps.
+SFT_2W = ["sft.strategy.num_workers=2", "sft.data.max_samples=256", "sft.train.save_steps=4", "sft.train.keep_last=2"]
+RM_2W = ["reward_model.strategy.num_workers=2", "reward_model.train.micro_train_batch_size=8"]
+UPSTREAM = [*SFT_2W, *RM_2W]
+
+
+def cfg_for(run_dir, *overrides):
+    return load_config(TINY, [f"run_uri={run_dir}", *overrides])
+
+
+def weights(run_dir, stage):
+    return load_file(str(run_dir / stage / "model.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory, ray_cluster):
+    run_dir = tmp_path_factory.mktemp("sft-zero2")
+    ref = sft.run(cfg_for(run_dir, *SFT_2W))
+    return run_dir, ref
+
+
+@pytest.fixture(scope="session")
+def ppo_inputs(sft_run):
+    """SFT -> reward model -> critic init -> critic warm-up in one run directory (stages already done are reused)."""
+    run_dir = sft_run[0]
+    cfg = cfg_for(run_dir, *UPSTREAM)
+    refs = {name: job.run(cfg) for name, job in
+            (("reward_model", reward_model), ("critic_init", critic_init), ("critic_warmup", critic_warmup))}
+    return run_dir, refs
