@@ -214,7 +214,7 @@ class PPOConfig:
     frozen_cpus_per_worker: float = opt(0.5, "Ray CPUs reserved per reward/reference worker.")
     colocate_actor_ref: bool = opt(False, "Place reference workers on the actor workers' devices (placement group).")
     colocate_critic_reward: bool = opt(False, "Place reward workers on the critic workers' devices.")
-    colocate_all: bool = opt(False, "All models and engines share one placement group.")
+    colocate_all: bool = opt(False, "Actor, critic, reward and reference workers share the actor's devices.")
     rollout: RolloutConfig = opt(RolloutConfig(), "Generation settings.")
     algo: PPOAlgoConfig = opt(PPOAlgoConfig(), "PPO, KL and reward settings.")
     train: PPOTrainConfig = opt(PPOTrainConfig(), "Batching, steps, checkpoints.")
@@ -458,6 +458,10 @@ def _validate_ppo(name: str, p: PPOConfig) -> None:
                 f"invalid value {t.micro_rollout_batch_size} for '{name}.train.micro_rollout_batch_size': the "
                 f"{samples} samples of a step do not split into equal micro-batches over the {workers} {role} workers"
             )
+    if p.colocate_all and max(p.critic_strategy.num_workers, p.reward_workers, p.reference_workers) > (
+        p.actor_strategy.num_workers
+    ):
+        raise ConfigError(f"'{name}.colocate_all' needs critic, reward and reference workers <= actor workers")
     if p.colocate_actor_ref and p.reference_workers != p.actor_strategy.num_workers:
         raise ConfigError(f"'{name}.colocate_actor_ref' needs reference_workers == actor_strategy.num_workers")
     if p.colocate_critic_reward and p.reward_workers != p.critic_strategy.num_workers:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.storage import (ArtifactError, Manifest, ObjectStore, redact, sha256_file,
-                               storage_options_for)
+from rlhf_core.storage import ArtifactError, Manifest, ObjectStore, redact, sha256_file, storage_options_for
 from tests.conftest_s3 import s3_storage_options
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rlhf_core.config import DataConfig
 from rlhf_core.data.loading import DataError, load_rows, require_keys
 
@@ -116,10 +118,8 @@ def preference_examples(
     return out
 
 
-def pad_right(sequences: list[list[int]], pad_value: int) -> "torch.Tensor":
+def pad_right(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
     """(B, T_max) long tensor, each row right-padded with ``pad_value``."""
-    import torch
-
     width = max(len(s) for s in sequences)
     return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
 

@@ -168,3 +168,22 @@ def run_group(cfg: StrategyConfig, factory: Callable[..., Any], *args: Any) -> l
             group.shutdown()
         if started:
             ray.shutdown()
+
+
+def wait(refs: list[Any]) -> list[Any]:
+    """Results of Ray ObjectRefs, in order (the controller never imports Ray itself)."""
+    import ray
+
+    return ray.get(refs)
+
+
+def cluster_resources() -> dict[str, float]:
+    import ray
+
+    return ray.cluster_resources()
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    ray.shutdown()

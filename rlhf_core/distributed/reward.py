@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from rlhf_core.models.builders import ScalarHeadModel, attn_implementation, build_scalar_model, load_tokenizer
 from rlhf_core.algos.batching import split_batch
+from rlhf_core.models.builders import ScalarHeadModel, attn_implementation, build_scalar_model, load_tokenizer
 
 
 class RewardScorer:

@@ -30,7 +30,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -395,3 +395,39 @@ def sync_weights(
     elapsed = time.perf_counter() - start
     logger.info("weight sync of %d tensors to %d engine(s) took %.3f s", len(specs), len(engines), elapsed)
     return elapsed
+
+
+class EngineGroup:
+    """The rollout engines as one object for the controller: prompts spread evenly, results in prompt order."""
+
+    def __init__(self, engines: list[Any], eos_token_id: int):
+        self.engines, self.eos = engines, eos_token_id
+
+    def wait_ready(self) -> None:
+        import ray
+
+        ray.get([e.ready.remote() for e in self.engines])
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
+        """n responses per prompt, prompt-major; engine i samples with seed + 7919 i; an empty one becomes [EOS]."""
+        import ray
+
+        k = len(self.engines)
+        chunks = [prompt_ids[i * len(prompt_ids) // k : (i + 1) * len(prompt_ids) // k] for i in range(k)]
+        refs = [
+            e.generate.remote(chunk, replace(sampling, seed=sampling.seed + 7919 * i))
+            for i, (e, chunk) in enumerate(zip(self.engines, chunks)) if chunk
+        ]  # fmt: skip
+        return [r if r else [self.eos] for part in ray.get(refs) for r in part]
+
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        import ray
+
+        return ray.get(self.engines[0].sequence_logprobs.remote([token_ids]))[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for engine in self.engines:
+            ray.kill(engine, no_restart=True)
+        self.engines = []

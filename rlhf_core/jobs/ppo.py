@@ -149,19 +149,17 @@ class PPOController:
 
     # -- set-up -------------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        import ray
-
         from rlhf_core.distributed.actor import PolicyActor
         from rlhf_core.distributed.critic import CriticActor
         from rlhf_core.distributed.reference import ReferencePolicy
         from rlhf_core.distributed.reward import RewardScorer
         from rlhf_core.distributed.role_base import RoleContext
-        from rlhf_core.distributed.rollout_engine import create_engines
+        from rlhf_core.distributed.rollout_engine import EngineGroup, create_engines
 
         p, t = self.p, self.p.train
         demand = resource_demand(p, self.device)
         self.started_ray = launcher.init_ray(min_cpus=demand["CPU"])
-        check_fits(self.stage, p, self.device, ray.cluster_resources())
+        check_fits(self.stage, p, self.device, launcher.cluster_resources())
 
         samples = t.rollout_batch_size * p.rollout.n_samples_per_prompt
         actor_steps = optimizer_steps(p, self.steps if self.train_actor else 0)
@@ -181,38 +179,43 @@ class PPOController:
             **base,
         )  # fmt: skip
         frozen = lambda n: replace(p.actor_strategy, num_workers=n, cpus_per_worker=p.frozen_cpus_per_worker)  # noqa: E731
-        placement = {}
-        if p.colocate_all or p.colocate_actor_ref:
-            placement["actor"] = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
-        if p.colocate_critic_reward or p.colocate_all:
-            placement["critic"] = launcher.colocation_group(p.critic_strategy.num_workers, 1.0, self.device)
-        share = 0.5 if placement else 1.0
-        self.engines = create_engines(
+        placement: dict[str, Any] = {}
+        if p.colocate_all:  # one bundle per actor rank; every role's worker i shares bundle i
+            shared = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
+            placement = {"actor": shared, "critic": shared}
+        else:
+            if p.colocate_actor_ref:
+                placement["actor"] = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
+            if p.colocate_critic_reward:
+                placement["critic"] = launcher.colocation_group(p.critic_strategy.num_workers, 1.0, self.device)
+        share = 0.25 if p.colocate_all else 0.5 if placement else 1.0
+        handles = create_engines(
             p.rollout.num_engines, self.paths["actor"], backend=p.rollout.backend,
             tensor_parallel_size=p.rollout.tensor_parallel_size, num_cpus_per_engine=p.rollout.cpus_per_engine,
             **self._engine_kwargs(),
         )  # fmt: skip
+        self.engines = EngineGroup(handles, self.tokenizer.eos_token_id)
         self.actor = launcher.RayWorkerGroup(
-            _zero_cpu_if_placed(p.actor_strategy, "actor" in placement), PolicyActor, actor_ctx,
+            _slice_if_placed(p.actor_strategy, "actor" in placement), PolicyActor, actor_ctx,
             placement=placement.get("actor"), share=share,
         )  # fmt: skip
         self.critic = launcher.RayWorkerGroup(
-            _zero_cpu_if_placed(p.critic_strategy, "critic" in placement), CriticActor, critic_ctx,
+            _slice_if_placed(p.critic_strategy, "critic" in placement), CriticActor, critic_ctx,
             placement=placement.get("critic"), share=share,
         )  # fmt: skip
         precision = p.actor_strategy.precision
         self.reward = launcher.RayWorkerGroup(
-            _zero_cpu_if_placed(frozen(p.reward_workers), "critic" in placement), RewardScorer, self.paths["reward"],
+            _slice_if_placed(frozen(p.reward_workers), "critic" in placement), RewardScorer, self.paths["reward"],
             t.micro_rollout_batch_size, precision, placement=placement.get("critic"), share=share,
         )  # fmt: skip
         self.reference = launcher.RayWorkerGroup(
-            _zero_cpu_if_placed(frozen(p.reference_workers), "actor" in placement), ReferencePolicy,
+            _slice_if_placed(frozen(p.reference_workers), "actor" in placement), ReferencePolicy,
             self.paths["reference"], t.micro_rollout_batch_size, precision, placement=placement.get("actor"),
             share=share,
         )  # fmt: skip
-        ray.get(self.actor.call_async("setup") + self.critic.call_async("setup"))
-        ray.get([e.ready.remote() for e in self.engines])
-        self.actor.call("connect_engines", self.engines, p.rollout.backend == "vllm")
+        launcher.wait(self.actor.call_async("setup") + self.critic.call_async("setup"))
+        self.engines.wait_ready()
+        self.actor.call("connect_engines", handles, p.rollout.backend == "vllm")
         self.samples_per_step = samples
 
     def _engine_kwargs(self) -> dict:
@@ -225,35 +228,15 @@ class PPOController:
         return kwargs
 
     def shutdown(self) -> None:
-        import ray
-
-        for group in ("actor", "critic", "reward", "reference"):
+        for group in ("actor", "critic", "reward", "reference", "engines"):
             if hasattr(self, group):
                 getattr(self, group).shutdown()
-        for engine in getattr(self, "engines", []):
-            ray.kill(engine, no_restart=True)
         if getattr(self, "started_ray", False):
-            ray.shutdown()
+            launcher.shutdown_ray()
 
     # -- phases -------------------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], sampling: Any) -> list[list[int]]:
-        """Responses for every prompt (n each, prompt-major), the prompts spread evenly over the engines."""
-        import ray
-
-        k = len(self.engines)
-        chunks = [prompt_ids[i * len(prompt_ids) // k : (i + 1) * len(prompt_ids) // k] for i in range(k)]
-        refs = [
-            e.generate.remote(chunk, replace(sampling, seed=sampling.seed + 7919 * i))
-            for i, (e, chunk) in enumerate(zip(self.engines, chunks)) if chunk
-        ]  # fmt: skip
-        responses = [r for part in ray.get(refs) for r in part]
-        eos = self.tokenizer.eos_token_id
-        return [r if r else [eos] for r in responses]
-
     def experience(self, prompt_ids: list[list[int]], responses: list[list[int]]) -> dict[str, torch.Tensor]:
         """Sequences with old/reference log-probs, values and reward scores, each role on its own shards."""
-        import ray
-
         n = len(responses) // len(prompt_ids)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         batch = make_sequences(expanded, responses, self.pad_id)
@@ -263,7 +246,7 @@ class PPOController:
             "values": self.critic.call_each_async("values", shard_batch(batch, len(self.critic.actors))),
             "scores": self.reward.call_each_async("scores", shard_batch(batch, len(self.reward.actors))),
         }
-        return {**batch, **{k: torch.cat(ray.get(v)) for k, v in refs.items()}}
+        return {**batch, **{k: torch.cat(launcher.wait(v)) for k, v in refs.items()}}
 
     def advantages(self, exp: dict[str, torch.Tensor]) -> dict[str, float]:
         a = self.p.algo
@@ -280,8 +263,6 @@ class PPOController:
                 "response_len": mask.sum(1).float().mean().item(), "kl_coef": self.kl_ctl.value}  # fmt: skip
 
     def train(self, exp: dict[str, torch.Tensor], step: int, actor_frozen: bool) -> dict[str, float]:
-        import ray
-
         keys = ("input_ids", "attention_mask", "action_mask")
         critic_batch = {k: exp[k] for k in keys} | {"old_values": exp["values"], "returns": exp["returns"]}
         critic_refs = self.critic.call_each_async("fit", shard_batch(critic_batch, len(self.critic.actors)), step)
@@ -289,7 +270,7 @@ class PPOController:
         if not actor_frozen:
             actor_batch = {k: exp[k] for k in keys} | {"old_logprobs": exp["old_logprobs"], "advantages": exp["advantages"]}
             stats.update(self.actor.call_each("fit", shard_batch(actor_batch, len(self.actor.actors)), step)[0])
-        stats.update(ray.get(critic_refs)[0])
+        stats.update(launcher.wait(critic_refs)[0])
         return stats
 
     def push_weights(self) -> float:
@@ -307,7 +288,7 @@ class PPOController:
         r = self.p.rollout
         sampling = SamplingConfig(n=1, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                   seed=self.p.train.seed + 1)  # fmt: skip
-        responses = self.generate(ids, sampling)
+        responses = self.engines.generate(ids, sampling)
         # pad the eval batch to a multiple every role can split
         exp = self.experience(*_pad_to_multiple(ids, responses, self._row_multiple()))
         count = len(ids)
@@ -328,11 +309,9 @@ class PPOController:
     # -- weight-sync check -------------------------------------------------------------------------------------------
     def probe_logprobs(self) -> tuple[list[float], list[float]]:
         """Log-probs of one fixed sequence from the first engine and from the actor (rank 0's copy)."""
-        import ray
-
         text = "The garden is calm and lovely today."
         probe = self.prompts[0]["prompt_ids"] + self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        engine_lp = ray.get(self.engines[0].sequence_logprobs.remote([probe]))[0]
+        engine_lp = self.engines.sequence_logprobs(probe)
         rows = len(self.actor.actors)
         batch = make_sequences([probe] * rows, [[]] * rows, self.pad_id)
         actor_lp = self.actor.call_each("logprobs", shard_batch(batch, rows))[0][0].tolist()
@@ -365,7 +344,7 @@ class PPOController:
         from rlhf_core.distributed.rollout_engine import SamplingConfig
 
         p, t, stage = self.p, self.p.train, self.stage
-        state: dict[str, Any] = {"step": 0, "consumed_prompts": 0, "history": [], "before": None}
+        state: dict[str, Any] = {"step": 0, "episode": 0, "consumed_prompts": 0, "history": [], "before": None}
         found = newest_checkpoint(self.store, stage, self.st.config_hash)
         if found is not None:
             state = self.load_checkpoint(found[1])
@@ -388,7 +367,7 @@ class PPOController:
                 n=p.rollout.n_samples_per_prompt, temperature=p.rollout.temperature, top_p=p.rollout.top_p,
                 max_new_tokens=p.rollout.max_new_tokens, seed=t.seed * 100_003 + step,
             )  # fmt: skip
-            responses = self.generate(prompt_ids, sampling)
+            responses = self.engines.generate(prompt_ids, sampling)
             # 2. experience
             exp = self.experience(prompt_ids, responses)
             # 3. rewards (normalised RM score + KL penalty) and GAE
@@ -402,6 +381,7 @@ class PPOController:
             self.kl_ctl.update(logs["kl"], len(responses))
             # 6. logging and checkpoints
             state["step"], state["consumed_prompts"] = step + 1, (step + 1) * t.rollout_batch_size
+            state["episode"] = state["consumed_prompts"] // len(self.prompts)
             state["history"].append({"step": step + 1, "prompts": indices, "actor_frozen": actor_frozen, **logs})
             if (step + 1) % t.log_steps == 0 or step + 1 == self.steps:
                 print(f"[{stage}] step {step + 1}/{self.steps} {_fmt(logs)} ({time.time() - started:.1f}s)", flush=True)
@@ -425,8 +405,8 @@ class PPOController:
         return metrics
 
 
-def _zero_cpu_if_placed(s: StrategyConfig, placed: bool) -> StrategyConfig:
-    # Inside a placement-group bundle the roles share the bundle's CPU; each asks for a small slice of it.
+def _slice_if_placed(s: StrategyConfig, placed: bool) -> StrategyConfig:
+    # Inside a placement-group bundle (1 CPU) the roles share the bundle; each asks for a quarter of it.
     return replace(s, cpus_per_worker=0.25) if placed else s
 
 

@@ -113,3 +113,12 @@ def test_config_mistakes_are_refused_before_any_actor_starts(run_dir, no_actors)
     with pytest.raises(ConfigError, match=r"the roles need \d+ CPU but the Ray cluster has 8.*rollout.num_engines"):
         run_ppo(run_dir, "ppo.rollout.num_engines=12")
     assert not (run_dir / "ppo").exists()
+
+
+@pytest.mark.parametrize(
+    "layout", [["ppo.colocate_actor_ref=true", "ppo.colocate_critic_reward=true"], ["ppo.colocate_all=true"]],
+    ids=["actor+ref,critic+reward", "all"],
+)
+def test_colocated_roles_run_in_placement_groups(run_dir, layout):
+    ref = run_ppo(run_dir, *layout, "ppo.train.max_steps=2", "ppo.train.eval_prompts=0")
+    assert ref.metrics["steps"] == 2 and ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-3
