@@ -34,7 +34,9 @@ def init_ray(min_cpus: float = 1) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env, log_to_driver=True)
     else:
         cpus = max(float(os.cpu_count() or 1), min_cpus)
-        ray.init(num_cpus=int(-(-cpus // 1)), include_dashboard=False, runtime_env=env, log_to_driver=True)
+        # address="local": a new Ray for this job even when another one runs on the machine
+        ray.init(address="local", num_cpus=int(-(-cpus // 1)), include_dashboard=False, runtime_env=env,
+                 log_to_driver=True)  # fmt: skip
     return True
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -20,15 +21,15 @@ from rlhf_core.types import CheckpointRef
 STAGE_PREFIX = "stage:"
 
 
-def parse_args(stage: str, argv: list[str] | None = None) -> PipelineConfig:
+def parse_args(stage: str, argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"python -m rlhf_core.jobs.{stage}",
         description=f"Run the {stage} stage alone. Overrides are dotted keys, e.g. {stage}.train.max_steps=10.",
     )
     parser.add_argument("--config", required=True, help="YAML preset, e.g. deployments/configs/tiny.yaml")
+    parser.add_argument("--ref-out", help="write the resulting CheckpointRef as JSON to this file")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (YAML values)")
-    args = parser.parse_args(argv)
-    return load_config(args.config, args.overrides)
+    return parser.parse_args(argv)
 
 
 def main(stage: str, run: Callable[[PipelineConfig], CheckpointRef]) -> None:
@@ -36,11 +37,14 @@ def main(stage: str, run: Callable[[PipelineConfig], CheckpointRef]) -> None:
     from rlhf_core.data.loading import DataError
     from rlhf_core.models.builders import ModelPathError
 
+    args = parse_args(stage)
     try:
-        ref = run(parse_args(stage))
+        ref = run(load_config(args.config, args.overrides))
     except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.ref_out:
+        Path(args.ref_out).write_text(json.dumps(ref.to_dict()))
     print(f"[{stage}] done: {ref.uri} (step {ref.step}, config {ref.config_hash})")
     for key, value in ref.metrics.items():
         print(f"[{stage}]   {key}: {value}")

@@ -1,0 +1,78 @@
+"""The ``rlhf`` command line.
+
+    rlhf run PRESET [key=value ...] [--run-name NAME] [--run-uri URI]    the whole pipeline
+    rlhf resume RUN_NAME [--run-uri URI]                                 rerun a run with its saved parameters
+    rlhf stage STAGE PRESET [key=value ...] [--run-name NAME]            one stage (its inputs must exist)
+
+Without PREFECT_API_URL it uses Prefect's temporary local server; with it, the runs appear on that server.
+Progress is the flow's log on the terminal; the summary is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from rlhf_core.config import STAGES, ConfigError
+
+
+def _params(args: argparse.Namespace, **extra):
+    from flows.rlhf_pipeline import PipelineParams
+
+    run_uri = args.run_uri
+    if run_uri and "://" not in run_uri:
+        run_uri = str(Path(run_uri).resolve())
+    return PipelineParams(preset=args.preset, overrides=args.overrides, run_name=args.run_name, run_uri=run_uri, **extra)
+
+
+def _saved_params(run_name: str, run_uri: str | None):
+    from flows.rlhf_pipeline import ROOT, PipelineParams
+    from rlhf_core.storage import ObjectStore, storage_options_for
+
+    uri = run_uri or str(ROOT / "runs" / run_name)
+    store = ObjectStore(uri, storage_options_for(uri))
+    if not store.exists("pipeline.json"):
+        raise ConfigError(f"no run named {run_name!r} at {uri} (pipeline.json missing); give --run-uri")
+    return PipelineParams(**store.read_json("pipeline.json"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="run the pipeline")
+    run_p.add_argument("preset")
+    run_p.add_argument("overrides", nargs="*")
+    resume_p = sub.add_parser("resume", help="rerun a run: finished stages are skipped, a failed one resumes")
+    resume_p.add_argument("run_name")
+    stage_p = sub.add_parser("stage", help="run one stage")
+    stage_p.add_argument("stage", choices=STAGES)
+    stage_p.add_argument("preset")
+    stage_p.add_argument("overrides", nargs="*")
+    for p in (run_p, resume_p, stage_p):
+        p.add_argument("--run-uri", default=None, help="where artifacts go (default runs/<run name>)")
+    for p in (run_p, stage_p):
+        p.add_argument("--run-name", default=None, help="default: the preset's name")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.rlhf_pipeline import rlhf_pipeline
+
+    try:
+        if args.command == "resume":
+            params = _saved_params(args.run_name, args.run_uri)
+            params = params.model_copy(update={"run_uri": args.run_uri or params.run_uri})
+        else:
+            args.run_name = args.run_name or Path(args.preset).stem
+            params = _params(args, **({"stages": [args.stage]} if args.command == "stage" else {}))
+        summary = rlhf_pipeline(params)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

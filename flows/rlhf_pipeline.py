@@ -1,0 +1,167 @@
+"""The RLHF pipeline flow: SFT -> reward model -> critic init -> critic warm-up -> PPO, each a cached, retryable task.
+
+Parameters are one typed model (a form in the Prefect UI). The resolved config is saved with the run
+(``<run_uri>/config.yaml``, credentials redacted, plus an artifact), and so are the flow parameters
+(``<run_uri>/pipeline.json``, for ``rlhf resume``). A rerun with the same ``run_name`` skips every stage whose
+output is complete for its config (its task ends Cached) and restarts a failed stage from its newest in-stage
+checkpoint. Each run ends with a markdown summary artifact and ``<run_uri>/run_summary.json``.
+
+    rlhf run tiny                                  # embedded default: temporary Prefect server, local Ray and folder
+    python -m flows.rlhf_pipeline                  # the same with the tiny preset
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.filesystems import LocalFileSystem, RemoteFileSystem
+from pydantic import BaseModel, Field
+
+from rlhf_core.config import STAGES, ConfigError, PipelineConfig, load_config, to_yaml
+from rlhf_core.jobs.common import open_store
+from tasks._launch import ROOT, kill_all_jobs
+from tasks.stages import RESULTS, STAGE_TASKS, RunSpec
+
+PRESETS = ROOT / "deployments" / "configs"
+SECRET_KEYS = ("storage.key", "storage.secret")
+
+
+class PipelineParams(BaseModel):
+    """What a pipeline run is: a preset, overrides and where it writes."""
+
+    preset: str = Field("tiny", description="Preset name in deployments/configs/ (tiny, demo) or a YAML path.")
+    overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. ppo.train.max_steps=4")
+    run_name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Names the run; "
+                          "a rerun with the same name resumes it.")  # fmt: skip
+    run_uri: str | None = Field(None, description="Artifacts location (path, file://, s3://); default runs/<run_name>.")
+    stages: list[str] | None = Field(None, description="Run only these stages (their inputs must exist).")
+    task_retries: int = Field(2, ge=0, description="Retries of a failed stage (each resumes from its checkpoint).")
+
+
+def preset_path(preset: str) -> Path:
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml"):
+        return path if path.is_absolute() else ROOT / path
+    path = PRESETS / f"{preset}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+        raise ConfigError(f"unknown preset {preset!r}: choose one of {names} or give a .yaml path")
+    return path
+
+
+def resolve(params: PipelineParams) -> tuple[PipelineConfig, str]:
+    """The run's config (preset + overrides + run_uri) and its URI; credentials must come from the environment."""
+    for item in params.overrides:
+        if item.split("=", 1)[0].strip() in SECRET_KEYS:
+            raise ConfigError(f"'{item.split('=', 1)[0]}' cannot be a flow parameter (parameters are stored by "
+                              "Prefect): set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the worker's environment")  # fmt: skip
+    run_uri = params.run_uri or f"runs/{params.run_name}"
+    if "://" not in run_uri and not Path(run_uri).is_absolute():
+        run_uri = str(ROOT / run_uri)
+    cfg = load_config(preset_path(params.preset), [*params.overrides, f"run_uri={run_uri}"])
+    return cfg, run_uri
+
+
+def result_storage(cfg: PipelineConfig) -> Any:
+    """Prefect result storage inside the run's own location (a saved block: Prefect requires one)."""
+    base = open_store(cfg).uri(RESULTS)
+    name = "rlhf-results-" + hashlib.sha256(base.encode()).hexdigest()[:12]
+    if "://" in base and not base.startswith("file://"):
+        endpoint = cfg.storage.endpoint_url
+        settings = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+        block = RemoteFileSystem(basepath=base, settings=settings)  # keys come from the environment, never stored
+    else:
+        block = LocalFileSystem(basepath=base.removeprefix("file://"))
+    block.save(name, overwrite=True)
+    return block
+
+
+def _kill_jobs(flow, flow_run, state) -> None:  # Prefect hook signature
+    kill_all_jobs()
+
+
+@flow(name="rlhf-pipeline", log_prints=True, on_cancellation=[_kill_jobs], on_crashed=[_kill_jobs])
+def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
+    logger = get_run_logger()
+    cfg, run_uri = resolve(params)
+    store = open_store(cfg)
+    store.write_text("config.yaml", to_yaml(cfg))
+    store.write_json("pipeline.json", params.model_dump())
+    create_markdown_artifact(f"```yaml\n{to_yaml(cfg)}```", key="resolved-config", description=f"config of {run_uri}")
+    run = RunSpec(params.run_name, run_uri, _local_config(cfg, params.run_name))
+    storage = result_storage(cfg)
+
+    wanted = [s for s in STAGES if getattr(cfg, s) is not None and (params.stages is None or s in params.stages)]
+    refs: dict[str, dict] = _existing_refs(store, params.stages) if params.stages else {}
+    rows: list[dict] = []
+    failure: BaseException | None = None
+    for stage in wanted:
+        started = time.time()
+        task = STAGE_TASKS[stage].with_options(result_storage=storage, retries=params.task_retries)
+        state = task(run, dict(refs), return_state=True)
+        row = {"stage": stage, "state": state.name, "duration_s": round(time.time() - started, 1)}
+        if state.is_completed():
+            refs[stage] = state.result()
+            row.update(uri=refs[stage]["uri"], metrics=_key_metrics(refs[stage]["metrics"]))
+        rows.append(row)
+        logger.info(f"{stage}: {state.name} in {row['duration_s']} s")
+        if not state.is_completed():
+            failure = state.result(raise_on_failure=False)
+            break
+    summary = {"run_name": params.run_name, "run_uri": run_uri, "stages": rows,
+               "state": "Failed" if failure else "Completed"}  # fmt: skip
+    store.write_json("run_summary.json", summary)
+    create_markdown_artifact(_summary_markdown(summary), key="run-summary", description=f"{params.run_name}")
+    if failure is not None:
+        raise failure if isinstance(failure, BaseException) else RuntimeError(str(failure))
+    return summary
+
+
+def _local_config(cfg: PipelineConfig, run_name: str) -> str:
+    """The resolved config as a local YAML file for the stage jobs (credentials stay in the environment)."""
+    folder = ROOT / ".rlhf" / "configs"
+    folder.mkdir(parents=True, exist_ok=True)
+    text = to_yaml(cfg)
+    path = folder / f"{run_name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    path.write_text(text.replace("'***'", "null"))
+    return str(path)
+
+
+def _existing_refs(store, only: list[str]) -> dict[str, dict]:
+    """References of the stages a partial run does not run: their committed outputs."""
+    refs = {}
+    for stage in STAGES:
+        if stage not in only and store.is_complete(stage):
+            m = store.read_manifest(stage, verify=False)
+            refs[stage] = {"uri": store.uri(stage), "stage": stage, "step": int(m.metrics.get("steps", 0)),
+                           "config_hash": m.config_hash, "metrics": m.metrics}  # fmt: skip
+    return refs
+
+
+KEY_METRICS = (
+    "loss_end", "eval_accuracy", "gold_reward_before", "gold_reward_after", "kl_to_ref_after", "steps",
+    "resumed_from_step",
+)  # fmt: skip
+
+
+def _key_metrics(metrics: dict) -> dict:
+    return {k: metrics[k] for k in KEY_METRICS if metrics.get(k) is not None}
+
+
+def _summary_markdown(summary: dict) -> str:
+    lines = [f"# RLHF run `{summary['run_name']}`: {summary['state']}", "", f"Artifacts: `{summary['run_uri']}`", "",
+             "| stage | state | duration (s) | key metrics | model |", "|---|---|---|---|---|"]  # fmt: skip
+    for row in summary["stages"]:
+        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.get("metrics", {}).items())
+        lines.append(f"| {row['stage']} | {row['state']} | {row['duration_s']} | {metrics} | `{row.get('uri', '')}` |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(json.dumps(rlhf_pipeline(), indent=2))

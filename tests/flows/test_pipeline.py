@@ -1,0 +1,145 @@
+"""The Prefect pipeline against a real Prefect server: deployment on a process worker, artifacts and schedule read
+back through the API, cancellation, resume of a failed run, and reruns after a config change."""
+
+import json
+import time
+
+import psutil
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+from prefect.deployments import run_deployment
+from prefect.states import Cancelling
+
+from deployments.deploy import deploy
+from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
+
+pytestmark = pytest.mark.slow
+
+# The tiny preset, a little smaller still.
+FAST = ["sft.data.max_samples=256", "reward_model.data.max_samples=512", "ppo.train.max_steps=4",
+        "ppo.train.eval_prompts=16"]  # fmt: skip
+
+
+def launches(run_dir) -> list[str]:
+    files = sorted((run_dir / "_launches").glob("*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    return [json.loads(p.read_text())["stage"] for p in files]
+
+
+def states(summary: dict) -> dict[str, str]:
+    return {row["stage"]: row["state"] for row in summary["stages"]}
+
+
+STAGES = ["sft", "reward_model", "critic_init", "critic_warmup", "ppo"]
+
+
+def test_deployed_pipeline_runs_on_a_process_worker(prefect_server, work_pool, tmp_path):
+    run_dir = tmp_path / "run"
+    deploy(work_pool["pool"], cron="0 3 * * *", names=["tiny-nightly"],
+           overrides={"run_uri": str(run_dir), "overrides": FAST})  # fmt: skip
+    flow_run = run_deployment("rlhf-pipeline/tiny-nightly", timeout=900)
+    assert flow_run.state.is_completed(), (flow_run.state, work_pool["worker_log"].read_text()[-3000:])
+
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    assert states(summary) == dict.fromkeys(STAGES, "Completed")
+    assert launches(run_dir) == STAGES
+    assert "run_uri" in (run_dir / "config.yaml").read_text()
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+        )
+        by_key = {a.key: a for a in artifacts}
+        for key in ("run-summary", "resolved-config", "sft-metrics", "reward-model-metrics", "ppo-metrics",
+                    "sft-progress", "ppo-progress"):  # fmt: skip
+            assert key in by_key, sorted(by_key)
+        assert by_key["sft-progress"].data == 100.0
+        assert "| ppo | Completed |" in by_key["run-summary"].data
+        deployment = client.read_deployment_by_name("rlhf-pipeline/tiny-nightly")
+        assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200)
+        messages = "\n".join(log.message for log in logs)
+    # The stage job's own output, Ray workers' lines included, is in the run log.
+    assert "[sft] step" in messages and "_Shell pid=" in messages
+
+
+def _job_tree(run_dir, timeout_s=180) -> list[int]:
+    """Pids of the first launched job and its descendants, once its Ray is up."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        files = list((run_dir / "_launches").glob("*.json")) if (run_dir / "_launches").exists() else []
+        if files:
+            pid = json.loads(files[0].read_text())["pid"]
+            try:
+                tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+            except psutil.NoSuchProcess:
+                tree = []
+            if len(tree) >= 4:  # the job, Ray's GCS, raylet and workers
+                return tree
+        time.sleep(1)
+    raise AssertionError("the job did not start its Ray in time")
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_cancelling_a_running_flow_leaves_no_job_process(prefect_server, work_pool, tmp_path):
+    run_dir = tmp_path / "run"
+    long_sft = [*FAST, "sft.train.max_epochs=200", "sft.train.log_steps=50"]
+    deploy(work_pool["pool"], names=["tiny-nightly"], overrides={"run_uri": str(run_dir), "overrides": long_sft})
+    flow_run = run_deployment("rlhf-pipeline/tiny-nightly", timeout=0)
+    pids = _job_tree(run_dir)
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and not client.read_flow_run(flow_run.id).state.is_final():
+            time.sleep(1)
+        assert client.read_flow_run(flow_run.id).state.is_cancelled()
+    deadline = time.time() + 30
+    while _alive(pids) and time.time() < deadline:
+        time.sleep(1)
+    assert not _alive(pids), [psutil.Process(p).cmdline()[:3] for p in _alive(pids)]
+
+
+@pytest.fixture(scope="module")
+def failed_then_resumed(prefect_server, tmp_path_factory):
+    """A run whose PPO stage fails on purpose after its first checkpoint, then the same run again."""
+    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    params = PipelineParams(preset="tiny", run_name="resume-test", run_uri=str(run_dir), task_retries=0,
+                            overrides=[*FAST, "ppo.train.save_steps=2"])  # fmt: skip
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RLHF_FAIL_AFTER_STEP", "2")
+    with pytest.raises(Exception, match="injected failure after checkpoint at step 2"):
+        rlhf_pipeline(params)
+    mp.undo()
+    failed = json.loads((run_dir / "run_summary.json").read_text())
+    launched_first = launches(run_dir)
+    resumed = rlhf_pipeline(params)
+    return run_dir, params, failed, launched_first, resumed
+
+
+def test_rerun_of_a_failed_run_skips_finished_stages_and_resumes_ppo(failed_then_resumed):
+    run_dir, _, failed, launched_first, resumed = failed_then_resumed
+    assert failed["state"] == "Failed" and states(failed)["ppo"] == "Failed"
+    assert launched_first == STAGES
+    assert states(resumed) == {**dict.fromkeys(STAGES[:4], "Cached"), "ppo": "Completed"}
+    assert launches(run_dir) == STAGES + ["ppo"]  # no earlier stage's job was launched again
+    ppo_row = [r for r in resumed["stages"] if r["stage"] == "ppo"][0]
+    assert ppo_row["metrics"]["resumed_from_step"] == 2 and ppo_row["metrics"]["steps"] == 4
+
+
+def test_changing_the_reward_model_config_reruns_it_and_what_follows(failed_then_resumed):
+    run_dir, params, *_ = failed_then_resumed
+    before = len(launches(run_dir))
+    changed = params.model_copy(update={"overrides": [*params.overrides, "reward_model.optim.lr=1.5e-3"]})
+    summary = rlhf_pipeline(changed)
+    assert states(summary) == {"sft": "Cached", **dict.fromkeys(STAGES[1:], "Completed")}
+    assert launches(run_dir)[before:] == STAGES[1:]
