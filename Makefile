@@ -1,7 +1,9 @@
-# The README's two commands: `make demo` (main job on the embedded default) and `make test` (the test suite).
+# The README's two commands: `make demo` (the pipeline on the embedded default: Prefect's temporary server, a local
+# Ray, a local folder) and `make test` (the test suite).
 PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # One place for DeepSpeed's compiled ops (CPU Adam, shared-memory comm) so tests and CI pay the build once.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
@@ -11,7 +13,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m rlhf_core.jobs.pipeline --config deployments/configs/demo.yaml $(ARGS)
+	.venv/bin/rlhf run demo $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests -q $(ARGS)

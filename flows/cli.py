@@ -11,7 +11,6 @@ Progress is the flow's log on the terminal; the summary is printed at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.rlhf_pipeline import rlhf_pipeline
+    from flows.rlhf_pipeline import rlhf_pipeline, summary_markdown
 
     try:
         if args.command == "resume":
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(json.dumps(summary, indent=2))
+    print("\n" + summary_markdown(summary))
 
 
 if __name__ == "__main__":

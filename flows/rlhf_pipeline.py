@@ -117,7 +117,7 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     summary = {"run_name": params.run_name, "run_uri": run_uri, "stages": rows,
                "state": "Failed" if failure else "Completed"}  # fmt: skip
     store.write_json("run_summary.json", summary)
-    create_markdown_artifact(_summary_markdown(summary), key="run-summary", description=f"{params.run_name}")
+    create_markdown_artifact(summary_markdown(summary), key="run-summary", description=f"{params.run_name}")
     if failure is not None:
         raise failure if isinstance(failure, BaseException) else RuntimeError(str(failure))
     return summary
@@ -145,8 +145,8 @@ def _existing_refs(store, only: list[str]) -> dict[str, dict]:
 
 
 KEY_METRICS = (
-    "loss_end", "eval_accuracy", "gold_reward_before", "gold_reward_after", "kl_to_ref_after", "steps",
-    "resumed_from_step",
+    "loss_start", "loss_end", "eval_accuracy", "reward_mean", "reward_std", "critic_loss", "gold_reward_before",
+    "gold_reward_after", "rm_score_before", "rm_score_after", "kl_to_ref_after", "steps", "resumed_from_step",
 )  # fmt: skip
 
 
@@ -154,7 +154,7 @@ def _key_metrics(metrics: dict) -> dict:
     return {k: metrics[k] for k in KEY_METRICS if metrics.get(k) is not None}
 
 
-def _summary_markdown(summary: dict) -> str:
+def summary_markdown(summary: dict) -> str:
     lines = [f"# RLHF run `{summary['run_name']}`: {summary['state']}", "", f"Artifacts: `{summary['run_uri']}`", "",
              "| stage | state | duration (s) | key metrics | model |", "|---|---|---|---|---|"]  # fmt: skip
     for row in summary["stages"]:

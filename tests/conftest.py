@@ -3,6 +3,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from pathlib import Path  # noqa: E402
 

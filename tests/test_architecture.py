@@ -34,3 +34,14 @@ def test_algos_are_torch_only():
     for path in (ROOT / "rlhf_core" / "algos").rglob("*.py"):
         tops = {name.split(".")[0] for name in imported_modules(path)}
         assert tops <= {"torch", "math", "__future__", "typing", "dataclasses"}, (path, tops)
+
+
+def test_upper_layers_only_point_down():
+    allowed = {"tasks": {"rlhf_core", "tasks"}, "flows": {"rlhf_core", "tasks", "flows"}}
+    offenders = []
+    for layer, ok in allowed.items():
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            ours = {n.split(".")[0] for n in imported_modules(path)} & {"rlhf_core", "tasks", "flows", "deployments"}
+            if ours - ok:
+                offenders.append(f"{path.relative_to(ROOT)} imports {sorted(ours - ok)}")
+    assert not offenders, offenders

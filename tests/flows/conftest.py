@@ -55,6 +55,9 @@ def prefect_server(tmp_path_factory):
         os.environ.update({k: env[k] for k in saved})  # for the job subprocesses
         with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_HOME: str(home)}):
             yield {"url": url, "env": env, "home": home}
+            from prefect.logging.handlers import APILogHandler
+
+            APILogHandler.flush()  # send the last run logs while the server is still there
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
