@@ -85,7 +85,8 @@ def launch_stage(
     """Run the ``stage`` job on the resolved config file and return its CheckpointRef as a dict."""
     ref_file = Path(tempfile.mkstemp(prefix=f"{stage}-ref-", suffix=".json")[1])
     cmd = [sys.executable, "-m", f"rlhf_core.jobs.{stage}", "--config", config_path, "--ref-out", str(ref_file)]
-    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
+                 "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         start_new_session=True,

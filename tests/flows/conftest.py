@@ -57,7 +57,7 @@ def prefect_server(tmp_path_factory):
             yield {"url": url, "env": env, "home": home}
             from prefect.logging.handlers import APILogHandler
 
-            APILogHandler.flush()  # send the last run logs while the server is still there
+            APILogHandler().flush()  # send the last run logs while the server is still there
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
