@@ -65,6 +65,9 @@ def resolve(params: PipelineParams) -> tuple[PipelineConfig, str]:
     if "://" not in run_uri and not Path(run_uri).is_absolute():
         run_uri = str(ROOT / run_uri)
     cfg = load_config(preset_path(params.preset), [*params.overrides, f"run_uri={run_uri}"])
+    if cfg.storage.key or cfg.storage.secret:
+        raise ConfigError("the pipeline takes S3 credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY only: "
+                          "remove storage.key / storage.secret from the preset")  # fmt: skip
     return cfg, run_uri
 
 

@@ -42,27 +42,23 @@ def kill_tree(pid: int, grace_s: float = 10.0) -> list[int]:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         procs = []
-    for p in procs:
-        _signal(p, signal.SIGTERM)
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
+    _signal(procs, pid, signal.SIGTERM)
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        _signal(p, signal.SIGKILL)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    _signal(alive, pid, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=5)
     return [p.pid for p in procs]
 
 
-def _signal(p: psutil.Process, sig: int) -> None:
+def _signal(procs: list[psutil.Process], group: int, sig: int) -> None:
+    """Send ``sig`` to each process and to the process group ``group`` (the job's session)."""
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
     try:
-        p.send_signal(sig)
-    except psutil.NoSuchProcess:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
         pass
 
 

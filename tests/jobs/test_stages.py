@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf_core.data.synthetic import gold_reward  # noqa: F401  (the task the reward model must learn)
 from rlhf_core.jobs import critic_init, reward_model, sft
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.storage import ObjectStore
