@@ -161,7 +161,6 @@ class PPOController:
         self.started_ray = launcher.init_ray(min_cpus=demand["CPU"])
         check_fits(self.stage, p, self.device, launcher.cluster_resources())
 
-        samples = t.rollout_batch_size * p.rollout.n_samples_per_prompt
         actor_steps = optimizer_steps(p, self.steps if self.train_actor else 0)
         base = dict(
             stage=self.stage, init_seed=0, micro_rollout_batch_size=t.micro_rollout_batch_size, algo=p.algo,
@@ -188,7 +187,8 @@ class PPOController:
                 placement["actor"] = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
             if p.colocate_critic_reward:
                 placement["critic"] = launcher.colocation_group(p.critic_strategy.num_workers, 1.0, self.device)
-        share = 0.25 if p.colocate_all else 0.5 if placement else 1.0
+        shared_share = 0.25 if p.colocate_all else 0.5
+        share = {role: shared_share if role in placement else 1.0 for role in ("actor", "critic")}
         handles = create_engines(
             p.rollout.num_engines, self.paths["actor"], backend=p.rollout.backend,
             tensor_parallel_size=p.rollout.tensor_parallel_size, num_cpus_per_engine=p.rollout.cpus_per_engine,
@@ -197,26 +197,25 @@ class PPOController:
         self.engines = EngineGroup(handles, self.tokenizer.eos_token_id)
         self.actor = launcher.RayWorkerGroup(
             _slice_if_placed(p.actor_strategy, "actor" in placement), PolicyActor, actor_ctx,
-            placement=placement.get("actor"), share=share,
+            placement=placement.get("actor"), share=share["actor"],
         )  # fmt: skip
         self.critic = launcher.RayWorkerGroup(
             _slice_if_placed(p.critic_strategy, "critic" in placement), CriticActor, critic_ctx,
-            placement=placement.get("critic"), share=share,
+            placement=placement.get("critic"), share=share["critic"],
         )  # fmt: skip
         precision = p.actor_strategy.precision
         self.reward = launcher.RayWorkerGroup(
             _slice_if_placed(frozen(p.reward_workers), "critic" in placement), RewardScorer, self.paths["reward"],
-            t.micro_rollout_batch_size, precision, placement=placement.get("critic"), share=share,
+            t.micro_rollout_batch_size, precision, placement=placement.get("critic"), share=share["critic"],
         )  # fmt: skip
         self.reference = launcher.RayWorkerGroup(
             _slice_if_placed(frozen(p.reference_workers), "actor" in placement), ReferencePolicy,
             self.paths["reference"], t.micro_rollout_batch_size, precision, placement=placement.get("actor"),
-            share=share,
+            share=share["actor"],
         )  # fmt: skip
         launcher.wait(self.actor.call_async("setup") + self.critic.call_async("setup"))
         self.engines.wait_ready()
         self.actor.call("connect_engines", handles, p.rollout.backend == "vllm")
-        self.samples_per_step = samples
 
     def _engine_kwargs(self) -> dict:
         p = self.p
