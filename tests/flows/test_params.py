@@ -21,3 +21,14 @@ def test_bad_parameters_are_refused():
         resolve(PipelineParams(overrides=["storage.secret=hunter2"]))
     with pytest.raises(ValidationError):
         PipelineParams(run_name="../escape")
+
+
+def test_cli_resume_of_an_unknown_run_fails_clearly(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "resume", "nope", "--run-uri", str(tmp_path / "x")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "no run named 'nope'" in result.stderr, result.stderr
