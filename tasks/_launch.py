@@ -34,6 +34,15 @@ _LIVE: dict[int, subprocess.Popen] = {}  # job pid -> process, for the cancellat
 class StageJobError(RuntimeError):
     """The stage job exited with an error; the message carries its last output lines."""
 
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    @property
+    def bad_input(self) -> bool:
+        """Exit status 2: the job refused its config or data before starting work; a retry cannot help."""
+        return self.exit_code == 2
+
 
 def kill_tree(pid: int, grace_s: float = 10.0) -> list[int]:
     """Stop ``pid`` and all its descendants (and its process group); returns the pids that were alive."""
@@ -106,7 +115,7 @@ def launch_stage(
     if code != 0:
         # The job is gone, but a crash can leave its Ray processes behind: stop whatever remains of its group.
         kill_tree(proc.pid, grace_s=2)
-        raise StageJobError(f"the {stage} job failed (exit code {code}):\n" + "\n".join(tail[-15:]))
+        raise StageJobError(f"the {stage} job failed (exit code {code}):\n" + "\n".join(tail[-15:]), code)
     ref = json.loads(ref_file.read_text())
     ref_file.unlink(missing_ok=True)
     return ref

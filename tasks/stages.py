@@ -18,7 +18,7 @@ from prefect.context import TaskRunContext
 
 from rlhf_core.config import ModelConfig, PipelineConfig, load_config, stage_hash
 from rlhf_core.jobs.common import STAGE_PREFIX, open_store
-from tasks._launch import launch_stage
+from tasks._launch import StageJobError, launch_stage
 
 RESULTS = "_prefect/results"  # under the run's location; flows.rlhf_pipeline.result_storage points there
 RETRY_DELAYS = [10, 60]
@@ -80,10 +80,16 @@ def _run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> dict:
     return ref
 
 
+def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry crashes, timeouts and failed jobs, but not a job that refused its config or data (exit status 2)."""
+    error = state.result(raise_on_failure=False)
+    return not (isinstance(error, StageJobError) and error.bad_input)
+
+
 def _options(stage: str) -> dict:
     return dict(
         name=stage.replace("_", "-"), retries=2, retry_delay_seconds=RETRY_DELAYS, timeout_seconds=STAGE_TIMEOUT_S,
-        cache_key_fn=cache_key_for(stage), persist_result=True,
+        cache_key_fn=cache_key_for(stage), persist_result=True, retry_condition_fn=worth_retrying,
     )  # fmt: skip
 
 

@@ -152,3 +152,29 @@ def test_single_stage_run_reads_upstream_outputs_from_the_run(failed_then_resume
                                                                                       "ppo.train.max_steps=2"]}))  # fmt: skip
     assert states(summary) == {"ppo": "Completed"}
     assert launches(run_dir)[before:] == ["ppo"]
+
+
+def test_bad_input_fails_the_stage_once_without_retries(prefect_server, tmp_path):
+    run_dir = tmp_path / "run"
+    params = PipelineParams(preset="tiny", run_name="bad-input", run_uri=str(run_dir), task_retries=2,
+                            overrides=["sft.data.train_path=/nonexistent/sft.jsonl"])  # fmt: skip
+    with pytest.raises(Exception, match=r"exit code 2[\s\S]*/nonexistent/sft.jsonl"):
+        rlhf_pipeline(params)
+    assert launches(run_dir) == ["sft"]  # refused input is not retried
+    assert states(json.loads((run_dir / "run_summary.json").read_text())) == {"sft": "Failed"}
+
+
+def test_a_task_retry_resumes_ppo_from_its_checkpoint(failed_then_resumed, tmp_path, monkeypatch):
+    import shutil
+
+    source, params, *_ = failed_then_resumed
+    run_dir = tmp_path / "run"  # the finished upstream stages of that run, without PPO
+    shutil.copytree(source, run_dir, ignore=shutil.ignore_patterns("ppo", "_prefect", "_launches"))
+    monkeypatch.setenv("RLHF_FAIL_AFTER_STEP", "2")
+    # (the overrides of the config-change test, whose outputs the copy holds when the whole module runs)
+    overrides = [*params.overrides, "reward_model.optim.lr=1.5e-3"]
+    summary = rlhf_pipeline(params.model_copy(update={"run_name": "retry-test", "run_uri": str(run_dir),
+                                                      "task_retries": 1, "overrides": overrides}))  # fmt: skip
+    assert states(summary)["ppo"] == "Completed"
+    assert launches(run_dir).count("ppo") == 2  # the failed attempt and its retry
+    assert [r for r in summary["stages"] if r["stage"] == "ppo"][0]["metrics"]["resumed_from_step"] == 2
