@@ -65,20 +65,29 @@ def work_dir(stage: str) -> str:
     return tempfile.mkdtemp(prefix=f"{stage}-", dir=root)
 
 
-def resolve_model(store: ObjectStore, path: str, key: str, dest: str) -> tuple[str, dict[str, str]]:
-    """A loadable model path for ``path``, and {upstream stage: config hash} when it names an earlier stage.
+def upstream_hash(store: ObjectStore, path: str, key: str) -> dict[str, str]:
+    """{upstream stage: config hash} when ``path`` names an earlier stage (read from its manifest), else {}."""
+    if not path.startswith(STAGE_PREFIX):
+        return {}
+    name = path[len(STAGE_PREFIX) :]
+    try:
+        return {name: store.read_manifest(name, verify=False).config_hash}
+    except ArtifactError as e:
+        raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
 
-    ``stage:<name>`` is read only from a complete artifact (verified manifest) and copied to ``dest``.
-    """
+
+def resolve_model(store: ObjectStore, path: str, key: str, dest: str) -> str:
+    """A loadable model path for ``path``: ``stage:<name>`` is copied to ``dest`` from its committed output, each
+    file checked against the manifest; other paths are checked to be a model before any worker starts."""
     if path.startswith(STAGE_PREFIX):
         name = path[len(STAGE_PREFIX) :]
         try:
-            manifest = store.download_artifact(name, str(Path(dest) / name))
+            store.download_artifact(name, str(Path(dest) / name))
         except ArtifactError as e:
             raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
-        return str(Path(dest) / name), {name: manifest.config_hash}
+        return str(Path(dest) / name)
     check_model_source(path, key)
-    return path, {}
+    return path
 
 
 def existing_output(store: ObjectStore, stage: str, config_hash: str) -> CheckpointRef | None:
@@ -116,16 +125,20 @@ class StageSetup:
 
 
 def setup_stage(cfg: PipelineConfig, stage: str) -> StageSetup:
-    """Resolve the stage's model (verifying an upstream stage's output), hash its config, look for its output."""
+    """Hash the stage's config (with its upstream output's hash) and look for its output; only when there is work
+    to do, fetch the model (verifying an upstream stage's files)."""
     section = cfg.stage(stage)
     store = open_store(cfg)
-    work = work_dir(stage)
-    model_path, upstream = resolve_model(store, section.model.name_or_path, f"{stage}.model.name_or_path", work)
+    key = f"{stage}.model.name_or_path"
+    upstream = upstream_hash(store, section.model.name_or_path, key)
     config_hash = stage_hash(section, upstream)
     done = existing_output(store, stage, config_hash)
     if done is not None:
         print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
-    return StageSetup(stage, section, store, work, model_path, upstream, config_hash, done)
+        return StageSetup(stage, section, store, "", "", upstream, config_hash, done)
+    work = work_dir(stage)
+    model_path = resolve_model(store, section.model.name_or_path, key, work)
+    return StageSetup(stage, section, store, work, model_path, upstream, config_hash, None)
 
 
 def check_steps(stage: str, section: Any, n_rows: int) -> None:

@@ -24,6 +24,7 @@ import importlib
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -437,27 +438,30 @@ def _decode_rng(value: list) -> tuple:
 # Entry points
 
 
-def resolve_roles(stage: str, p: PPOConfig, store: ObjectStore, work: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Loadable paths of the four models and the config hashes of the upstream stages they come from."""
-    paths, upstream = {}, {}
-    reference = p.reference or p.actor
-    for role, model in (("actor", p.actor), ("critic", p.critic), ("reward", p.reward), ("reference", reference)):
-        paths[role], up = common.resolve_model(store, model.name_or_path, f"{stage}.{role}.name_or_path", work)
-        upstream.update(up)
-    return paths, upstream
+def roles(p: PPOConfig) -> list[tuple[str, Any]]:
+    return [("actor", p.actor), ("critic", p.critic), ("reward", p.reward), ("reference", p.reference or p.actor)]
 
 
 def run(cfg: PipelineConfig, stage: str = STAGE, train_actor: bool = True) -> CheckpointRef:
     p: PPOConfig = cfg.stage(stage)
     store = common.open_store(cfg)
-    work = common.work_dir(stage)
 
-    # 1. inputs: the four models, config hash, finished output
-    paths, upstream = resolve_roles(stage, p, store, work)
+    # 1. inputs: config hash (with the upstream outputs' hashes), finished output, then the four models
+    upstream: dict[str, str] = {}
+    for role, model in roles(p):
+        upstream.update(common.upstream_hash(store, model.name_or_path, f"{stage}.{role}.name_or_path"))
     config_hash = stage_hash(p, upstream)
     if (done := common.existing_output(store, stage, config_hash)) is not None:
         print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
         return done
+    work = common.work_dir(stage)
+    paths: dict[str, str] = {}
+    fetched: dict[str, str] = {}  # the reference is usually the actor's model: fetch it once
+    for role, model in roles(p):
+        if model.name_or_path not in fetched:
+            key = f"{stage}.{role}.name_or_path"
+            fetched[model.name_or_path] = common.resolve_model(store, model.name_or_path, key, work)
+        paths[role] = fetched[model.name_or_path]
     st = common.StageSetup(stage, p, store, work, paths["actor"], upstream, config_hash, None)
 
     # 2. data and checks, before any Ray actor starts
@@ -475,6 +479,7 @@ def run(cfg: PipelineConfig, stage: str = STAGE, train_actor: bool = True) -> Ch
         group.call("export", stage, config_hash, metrics, extra)
     finally:
         controller.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
     return CheckpointRef(store.uri(stage), stage, metrics["steps"], config_hash, metrics)
 
 

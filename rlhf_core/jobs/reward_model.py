@@ -10,6 +10,8 @@ Reads ``reward_model.model.name_or_path`` (usually ``stage:sft``) and preference
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 
 from rlhf_core.algos.losses import pairwise_reward_loss
@@ -83,7 +85,10 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
 
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
     impl = RewardModelImpl(section.margin)
-    metrics = launcher.run_group(section.strategy, SupervisedTrainer, impl, st.context(), train, held_out)[0]
+    try:
+        metrics = launcher.run_group(section.strategy, SupervisedTrainer, impl, st.context(), train, held_out)[0]
+    finally:
+        shutil.rmtree(st.work, ignore_errors=True)  # downloaded inputs and staging
     return CheckpointRef(st.store.uri(STAGE), STAGE, metrics["steps"], st.config_hash, metrics)
 
 

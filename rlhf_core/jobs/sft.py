@@ -9,6 +9,8 @@ directory (safetensors, config, tokenizer) committed by ``manifest.json``, and `
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 
 from rlhf_core.algos.losses import sft_loss
@@ -67,7 +69,10 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
     common.check_steps(STAGE, section, len(train))
 
     # 3. train on the Ray group; rank 0 exports and commits
-    metrics = launcher.run_group(section.strategy, SupervisedTrainer, SFTImpl(), st.context(), train, held_out)[0]
+    try:
+        metrics = launcher.run_group(section.strategy, SupervisedTrainer, SFTImpl(), st.context(), train, held_out)[0]
+    finally:
+        shutil.rmtree(st.work, ignore_errors=True)  # downloaded inputs and staging
     return CheckpointRef(st.store.uri(STAGE), STAGE, metrics["steps"], st.config_hash, metrics)
 
 
