@@ -9,6 +9,7 @@ carries the stage's config hash; a restart resumes from the newest complete one 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import shutil
 import time
@@ -156,8 +157,7 @@ class SupervisedTrainer:
         rel = checkpoint_rel(ctx.stage, state["step"])
         files = save_engine_shards(strategy, engine, self.store, rel, self.work / "ckpt", {"trainer_state": dict(state)})
         if strategy.rank == 0:
-            self.store.write_json(f"{rel}/trainer_state.json", state)
-            files["trainer_state.json"] = _entry_of_remote(self.store, f"{rel}/trainer_state.json")
+            files["trainer_state.json"] = write_entry(self.store, f"{rel}/trainer_state.json", json.dumps(state))
             self.store.commit(
                 rel, stage=ctx.stage, config_hash=ctx.config_hash, files=files, extra={"step": state["step"]}
             )
@@ -238,8 +238,10 @@ def export_hf(module: nn.Module, weights: dict, tokenizer: Any, local: Path) -> 
     return local
 
 
-def _entry_of_remote(store: ObjectStore, rel: str) -> dict:
-    data = store.read_text(rel).encode()
+def write_entry(store: ObjectStore, rel: str, text: str) -> dict:
+    """Write a small text file into an uncommitted artifact and return its manifest entry."""
+    store.write_text(rel, text)
+    data = text.encode()
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 

@@ -102,17 +102,22 @@ def existing_output(store: ObjectStore, stage: str, config_hash: str) -> Checkpo
 
 @dataclass
 class StageSetup:
-    """A stage's resolved inputs: its config section, store, scratch dir, model path, upstream hashes, config hash,
-    and its committed output when one already exists for this config hash (then there is nothing to do)."""
+    """A stage's resolved inputs: its config section, store, scratch dir, a loadable path per model (by role),
+    upstream hashes, config hash, and its committed output when one already exists for this config hash (then
+    there is nothing to do and nothing was fetched)."""
 
     stage: str
     section: Any
     store: ObjectStore
     work: str
-    model_path: str
+    paths: dict[str, str]
     upstream: dict[str, str]
     config_hash: str
     done: CheckpointRef | None
+
+    @property
+    def model_path(self) -> str:
+        return self.paths["model"]
 
     def context(self) -> StageContext:
         s = self.section
@@ -124,21 +129,31 @@ class StageSetup:
         )  # fmt: skip
 
 
-def setup_stage(cfg: PipelineConfig, stage: str) -> StageSetup:
-    """Hash the stage's config (with its upstream output's hash) and look for its output; only when there is work
-    to do, fetch the model (verifying an upstream stage's files)."""
+def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None = None) -> StageSetup:
+    """Hash the stage's config (with the hashes of the upstream outputs it reads) and look for its output; only when
+    there is work to do, fetch its models (verifying upstream files), each distinct path once.
+
+    ``models`` maps a role to its ``ModelConfig``; default ``{"model": section.model}``.
+    """
     section = cfg.stage(stage)
+    models = models or {"model": section.model}
     store = open_store(cfg)
-    key = f"{stage}.model.name_or_path"
-    upstream = upstream_hash(store, section.model.name_or_path, key)
+    keys = {role: f"{stage}.{role}.name_or_path" for role in models}
+    upstream: dict[str, str] = {}
+    for role, model in models.items():
+        upstream.update(upstream_hash(store, model.name_or_path, keys[role]))
     config_hash = stage_hash(section, upstream)
     done = existing_output(store, stage, config_hash)
     if done is not None:
         print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
-        return StageSetup(stage, section, store, "", "", upstream, config_hash, done)
+        return StageSetup(stage, section, store, "", {}, upstream, config_hash, done)
     work = work_dir(stage)
-    model_path = resolve_model(store, section.model.name_or_path, key, work)
-    return StageSetup(stage, section, store, work, model_path, upstream, config_hash, None)
+    fetched: dict[str, str] = {}
+    for role, model in models.items():
+        if model.name_or_path not in fetched:
+            fetched[model.name_or_path] = resolve_model(store, model.name_or_path, keys[role], work)
+    paths = {role: fetched[model.name_or_path] for role, model in models.items()}
+    return StageSetup(stage, section, store, work, paths, upstream, config_hash, None)
 
 
 def check_steps(stage: str, section: Any, n_rows: int) -> None:

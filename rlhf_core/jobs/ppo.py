@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import random
 import shutil
 import time
 from dataclasses import replace
@@ -33,11 +32,11 @@ import torch
 
 from rlhf_core.algos.batching import make_sequences, shard_batch
 from rlhf_core.algos.ppo import approx_kl, clip_scores, gae, make_kl_controller, normalize_scores, token_rewards
-from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, StrategyConfig, TrainConfig, stage_hash
+from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, StrategyConfig, TrainConfig
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed import launcher
-from rlhf_core.distributed.trainer import checkpoint_rel, newest_checkpoint, prune_checkpoints
+from rlhf_core.distributed.trainer import checkpoint_rel, newest_checkpoint, prune_checkpoints, write_entry
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import BUILTIN_PREFIX, load_tokenizer
 from rlhf_core.storage import ObjectStore
@@ -126,10 +125,10 @@ def load_gold(spec: str | None) -> Callable[[str, str], float] | None:
 
 
 class PPOController:
-    def __init__(self, stage: str, p: PPOConfig, st: "common.StageSetup", paths: dict[str, str], train_actor: bool):
-        self.stage, self.p, self.st, self.paths, self.train_actor = stage, p, st, paths, train_actor
+    def __init__(self, stage: str, p: PPOConfig, st: common.StageSetup, train_actor: bool):
+        self.stage, self.p, self.st, self.paths, self.train_actor = stage, p, st, st.paths, train_actor
         self.store: ObjectStore = st.store
-        self.tokenizer = load_tokenizer(paths["actor"], p.actor.tokenizer)
+        self.tokenizer = load_tokenizer(st.paths["actor"], p.actor.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         options = self.store.fs.storage_options
         self.prompts = prompt_examples(p.data, self.tokenizer, "train", options)
@@ -143,7 +142,7 @@ class PPOController:
                 f"'{stage}.train.rollout_batch_size' = {p.train.rollout_batch_size} is larger than the "
                 f"{len(self.prompts)} prompts x {p.train.num_episodes} episodes: no PPO step would run"
             )
-        self.stats = reward_stats(stage, p, paths["reward"])
+        self.stats = reward_stats(stage, p, st.paths["reward"])
         self.gold = load_gold(p.train.gold_reward)
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
         self.device = launcher.resolve_device(p.actor_strategy.device)
@@ -321,10 +320,8 @@ class PPOController:
     def save_checkpoint(self, state: dict) -> None:
         rel = checkpoint_rel(self.stage, state["step"])
         files = {**self.actor.call("save_shards", rel)[0], **self.critic.call("save_shards", rel)[0]}
-        state = dict(state, kl_ctl=self.kl_ctl.state_dict(), python_rng=_encode_rng())
-        text = json.dumps(state, indent=1)
-        self.store.write_text(f"{rel}/controller_state.json", text)
-        files["controller_state.json"] = {"size": len(text.encode()), "sha256": _sha256(text)}
+        state = dict(state, kl_ctl=self.kl_ctl.state_dict())
+        files["controller_state.json"] = write_entry(self.store, f"{rel}/controller_state.json", json.dumps(state))
         self.store.commit(
             rel, stage=self.stage, config_hash=self.st.config_hash, files=files, extra={"step": state["step"]}
         )
@@ -336,7 +333,6 @@ class PPOController:
         self.critic.call("load_shards", rel)
         state = json.loads(self.store.read_text(f"{rel}/controller_state.json"))
         self.kl_ctl.load_state_dict(state.pop("kl_ctl"))
-        random.setstate(_decode_rng(state.pop("python_rng")))
         return state
 
     # -- the loop -----------------------------------------------------------------------------------------------------
@@ -419,53 +415,21 @@ def _fmt(logs: dict) -> str:
     return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
 
 
-def _sha256(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _encode_rng() -> list:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-def _decode_rng(value: list) -> tuple:
-    return (value[0], tuple(value[1]), value[2])
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Entry points
 
 
-def roles(p: PPOConfig) -> list[tuple[str, Any]]:
-    return [("actor", p.actor), ("critic", p.critic), ("reward", p.reward), ("reference", p.reference or p.actor)]
-
-
 def run(cfg: PipelineConfig, stage: str = STAGE, train_actor: bool = True) -> CheckpointRef:
-    p: PPOConfig = cfg.stage(stage)
-    store = common.open_store(cfg)
-
     # 1. inputs: config hash (with the upstream outputs' hashes), finished output, then the four models
-    upstream: dict[str, str] = {}
-    for role, model in roles(p):
-        upstream.update(common.upstream_hash(store, model.name_or_path, f"{stage}.{role}.name_or_path"))
-    config_hash = stage_hash(p, upstream)
-    if (done := common.existing_output(store, stage, config_hash)) is not None:
-        print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
-        return done
-    work = common.work_dir(stage)
-    paths: dict[str, str] = {}
-    fetched: dict[str, str] = {}  # the reference is usually the actor's model: fetch it once
-    for role, model in roles(p):
-        if model.name_or_path not in fetched:
-            key = f"{stage}.{role}.name_or_path"
-            fetched[model.name_or_path] = common.resolve_model(store, model.name_or_path, key, work)
-        paths[role] = fetched[model.name_or_path]
-    st = common.StageSetup(stage, p, store, work, paths["actor"], upstream, config_hash, None)
+    p: PPOConfig = cfg.stage(stage)
+    models = {"actor": p.actor, "critic": p.critic, "reward": p.reward, "reference": p.reference or p.actor}
+    st = common.setup_stage(cfg, stage, models)
+    if st.done is not None:
+        return st.done
+    store, work, upstream, config_hash = st.store, st.work, st.upstream, st.config_hash
 
     # 2. data and checks, before any Ray actor starts
-    controller = PPOController(stage, p, st, paths, train_actor)
+    controller = PPOController(stage, p, st, train_actor)
 
     # 3. roles, the loop, outputs
     try:
