@@ -24,7 +24,7 @@ from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from pydantic import BaseModel, Field
 
 from rlhf_core.config import STAGES, ConfigError, PipelineConfig, load_config, to_yaml
-from rlhf_core.jobs.common import open_store
+from rlhf_core.jobs.common import committed_ref, open_store
 from tasks._launch import ROOT, kill_all_jobs
 from tasks.stages import RESULTS, STAGE_TASKS, RunSpec
 
@@ -138,13 +138,8 @@ def _local_config(cfg: PipelineConfig, run_name: str) -> str:
 
 def _existing_refs(store, only: list[str]) -> dict[str, dict]:
     """References of the stages a partial run does not run: their committed outputs."""
-    refs = {}
-    for stage in STAGES:
-        if stage not in only and store.is_complete(stage):
-            m = store.read_manifest(stage, verify=False)
-            refs[stage] = {"uri": store.uri(stage), "stage": stage, "step": int(m.metrics.get("steps", 0)),
-                           "config_hash": m.config_hash, "metrics": m.metrics}  # fmt: skip
-    return refs
+    refs = {stage: committed_ref(store, stage) for stage in STAGES if stage not in only}
+    return {stage: ref.to_dict() for stage, ref in refs.items() if ref is not None}
 
 
 KEY_METRICS = (

@@ -17,7 +17,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.context import TaskRunContext
 
 from rlhf_core.config import ModelConfig, PipelineConfig, load_config, stage_hash
-from rlhf_core.jobs.common import STAGE_PREFIX, open_store
+from rlhf_core.jobs.common import STAGE_PREFIX, existing_output, open_store
 from tasks._launch import StageJobError, launch_stage
 
 RESULTS = "_prefect/results"  # under the run's location; flows.rlhf_pipeline.result_storage points there
@@ -56,7 +56,7 @@ def cache_key_for(stage: str):
         config_hash = expected_hash(cfg, stage, parameters["upstream"])
         key = f"rlhf-{run.run_name}-{stage}-{config_hash}"
         store = open_store(cfg)
-        if not (store.is_complete(stage) and store.read_manifest(stage, verify=False).config_hash == config_hash):
+        if existing_output(store, stage, config_hash) is None:
             store.delete(f"{RESULTS}/{key}")  # a cached reference to an output that is gone or changed: drop it
         return key
 

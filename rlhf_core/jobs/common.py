@@ -90,14 +90,18 @@ def resolve_model(store: ObjectStore, path: str, key: str, dest: str) -> str:
     return path
 
 
-def existing_output(store: ObjectStore, stage: str, config_hash: str) -> CheckpointRef | None:
-    """The stage's committed output when it was made with the same config hash (then there is nothing to do)."""
+def committed_ref(store: ObjectStore, stage: str) -> CheckpointRef | None:
+    """The stage's committed output (verified manifest) as a reference, whatever config made it; else None."""
     if not store.is_complete(stage):
         return None
-    manifest = store.read_manifest(stage, verify=False)
-    if manifest.config_hash != config_hash:
-        return None
-    return CheckpointRef(store.uri(stage), stage, int(manifest.metrics.get("steps", 0)), config_hash, manifest.metrics)
+    m = store.read_manifest(stage, verify=False)
+    return CheckpointRef(store.uri(stage), stage, int(m.metrics.get("steps", 0)), m.config_hash, m.metrics)
+
+
+def existing_output(store: ObjectStore, stage: str, config_hash: str) -> CheckpointRef | None:
+    """The stage's committed output when it was made with the same config hash (then there is nothing to do)."""
+    ref = committed_ref(store, stage)
+    return ref if ref is not None and ref.config_hash == config_hash else None
 
 
 @dataclass
