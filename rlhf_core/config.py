@@ -166,7 +166,10 @@ class RolloutConfig:
 class PPOAlgoConfig:
     kl_coef: float = opt(0.01, "Initial coefficient beta of the token-level KL penalty.")
     kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator: k1 = d, k2 = d^2/2, k3 = e^-d - 1 + d.")
-    kl_target: float | None = opt(None, "Target KL for the adaptive controller; null = fixed coefficient.")
+    kl_target: float | None = opt(
+        None, "Target KL for the adaptive controller, as the token mean over action tokens (OpenRLHF's units); "
+        "null = fixed coefficient."
+    )
     kl_horizon: int = opt(10000, "Horizon of the adaptive KL controller.")
     gamma: float = opt(1.0, "GAE discount.")
     lam: float = opt(0.95, "GAE lambda.")
@@ -174,6 +177,9 @@ class PPOAlgoConfig:
     value_clip: float | None = opt(0.5, "Value clip range; null = unclipped value loss.")
     normalize_reward: bool = opt(True, "Normalise RM scores with the mean/std stored by the reward-model stage.")
     reward_clip: list[float] = opt([-10.0, 10.0], "Clamp of the (normalised) RM score.")
+    missing_eos_penalty: float | None = opt(
+        None, "Added to the RM score of a response cut at max_new_tokens without EOS (e.g. -1.0); null = none."
+    )
     whiten_advantages: bool = opt(True, "Normalise advantages over the whole rollout batch across all DP ranks.")
     ppo_epochs: int = opt(1, "Passes over each rollout batch.")
 
