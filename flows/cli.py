@@ -2,7 +2,7 @@
 
     rlhf run PRESET [key=value ...] [--run-name NAME] [--run-uri URI]    the whole pipeline
     rlhf resume RUN_NAME [--run-uri URI]                                 rerun a run with its saved parameters
-    rlhf stage STAGE PRESET [key=value ...] [--run-name NAME]            one stage (its inputs must exist)
+    rlhf stage NAME PRESET [key=value ...] [--run-name NAME]             one stage instance (its inputs must exist)
 
 Without PREFECT_API_URL it uses Prefect's temporary local server; with it, the runs appear on that server.
 Progress is the flow's log on the terminal; the summary is printed at the end.
@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf_core.config import STAGES, ConfigError
+from rlhf_core.config import ConfigError
 
 
 def _params(args: argparse.Namespace, **extra):
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     resume_p = sub.add_parser("resume", help="rerun a run: finished stages are skipped, a failed one resumes")
     resume_p.add_argument("run_name")
     stage_p = sub.add_parser("stage", help="run one stage")
-    stage_p.add_argument("stage", choices=STAGES)
+    stage_p.add_argument("stage", help="a stage instance of the preset, e.g. ppo")
     stage_p.add_argument("preset")
     stage_p.add_argument("overrides", nargs="*")
     for p in (run_p, resume_p, stage_p):

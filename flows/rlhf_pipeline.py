@@ -1,4 +1,5 @@
-"""The RLHF pipeline flow: SFT -> reward model -> critic init -> critic warm-up -> PPO, each a cached, retryable task.
+"""The RLHF pipeline flow: a preset's stage instances in dependency order (tiny/demo: SFT -> reward model -> critic init
+-> critic warm-up -> PPO), each a cached, retryable task run named after the instance.
 
 Parameters are one typed model (a form in the Prefect UI). The resolved config is saved with the run
 (``<run_uri>/config.yaml``, credentials redacted, plus an artifact), and so are the flow parameters
@@ -23,10 +24,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from pydantic import BaseModel, Field
 
-from rlhf_core.config import STAGES, ConfigError, PipelineConfig, load_config, to_yaml
-from rlhf_core.jobs.common import committed_ref, open_store
+from rlhf_core.config import ConfigError, PipelineConfig, load_config, to_yaml
 from tasks._launch import ROOT, kill_all_jobs
-from tasks.stages import RESULTS, STAGE_TASKS, RunSpec
+from tasks.stages import RESULTS, RunSpec, existing_refs, run_store, stage_task
 
 PRESETS = ROOT / "deployments" / "configs"
 SECRET_KEYS = ("storage.key", "storage.secret")
@@ -40,7 +40,7 @@ class PipelineParams(BaseModel):
     run_name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Names the run; "
                           "a rerun with the same name resumes it.")  # fmt: skip
     run_uri: str | None = Field(None, description="Artifacts location (path, file://, s3://); default runs/<run_name>.")
-    stages: list[str] | None = Field(None, description="Run only these stages (their inputs must exist).")
+    stages: list[str] | None = Field(None, description="Run only these stage instances (their inputs must exist).")
     task_retries: int = Field(2, ge=0, description="Retries of a failed stage (each resumes from its checkpoint).")
 
 
@@ -73,7 +73,7 @@ def resolve(params: PipelineParams) -> tuple[PipelineConfig, str]:
 
 def result_storage(cfg: PipelineConfig) -> Any:
     """Prefect result storage inside the run's own location (a saved block: Prefect requires one)."""
-    base = open_store(cfg).uri(RESULTS)
+    base = run_store(cfg).uri(RESULTS)
     name = "rlhf-results-" + hashlib.sha256(base.encode()).hexdigest()[:12]
     if "://" in base and not base.startswith("file://"):
         endpoint = cfg.storage.endpoint_url
@@ -93,22 +93,27 @@ def _kill_jobs(flow, flow_run, state) -> None:  # Prefect hook signature
 def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     logger = get_run_logger()
     cfg, run_uri = resolve(params)
-    store = open_store(cfg)
+    store = run_store(cfg)
     store.write_text("config.yaml", to_yaml(cfg))
     store.write_json("pipeline.json", params.model_dump())
     create_markdown_artifact(f"```yaml\n{to_yaml(cfg)}```", key="resolved-config", description=f"config of {run_uri}")
     run = RunSpec(params.run_name, run_uri, _local_config(cfg, params.run_name))
     storage = result_storage(cfg)
 
-    wanted = [s for s in STAGES if getattr(cfg, s) is not None and (params.stages is None or s in params.stages)]
-    refs: dict[str, dict] = _existing_refs(store, params.stages) if params.stages else {}
+    order = cfg.order()
+    if params.stages is not None:
+        unknown = [s for s in params.stages if s not in order]
+        if unknown:
+            raise ConfigError(f"unknown stage(s) {unknown} in 'stages': this preset has {', '.join(order)}")
+    wanted = [s for s in order if params.stages is None or s in params.stages]
+    refs: dict[str, dict] = existing_refs(cfg, [s for s in order if s not in wanted]) if params.stages else {}
     rows: list[dict] = []
     failure: BaseException | None = None
     for stage in wanted:
         started = time.time()
-        task = STAGE_TASKS[stage].with_options(result_storage=storage, retries=params.task_retries)
-        state = task(run, dict(refs), return_state=True)
-        row = {"stage": stage, "state": state.name, "duration_s": round(time.time() - started, 1)}
+        task = stage_task(stage, cfg.kind(stage), storage, params.task_retries)
+        state = task(run, stage, dict(refs), return_state=True)
+        row = {"stage": stage, "kind": cfg.kind(stage), "state": state.name, "duration_s": round(time.time() - started, 1)}
         if state.is_completed():
             refs[stage] = state.result()
             row.update(uri=refs[stage]["uri"], metrics=_key_metrics(refs[stage]["metrics"]))
@@ -134,12 +139,6 @@ def _local_config(cfg: PipelineConfig, run_name: str) -> str:
     path = folder / f"{run_name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
     path.write_text(text.replace("'***'", "null"))
     return str(path)
-
-
-def _existing_refs(store, only: list[str]) -> dict[str, dict]:
-    """References of the stages a partial run does not run: their committed outputs."""
-    refs = {stage: committed_ref(store, stage) for stage in STAGES if stage not in only}
-    return {stage: ref.to_dict() for stage, ref in refs.items() if ref is not None}
 
 
 KEY_METRICS = (

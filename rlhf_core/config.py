@@ -1,8 +1,11 @@
 """Typed stage configs, loaded from a YAML preset plus ``key=value`` overrides.
 
-A preset (``deployments/configs/*.yaml``) holds the run-level keys (``run_uri``, ``storage``) and one section per
-stage (``sft``, ``reward_model``, ``critic_init``). ``load_config(path, overrides)`` merges YAML and overrides into
-the dataclasses below and refuses unknown keys and invalid values with a ``ConfigError`` naming the key.
+A preset (``deployments/configs/*.yaml``) holds the run-level keys (``run_uri``, ``storage``) and ``stages``: named
+stage instances, each with a ``kind`` (``sft``, ``reward_model``, ``critic_init``, ``critic_warmup``, ``ppo``; see
+``STAGE_KINDS``) and that kind's section. ``stage:<name>`` model paths make the dependency graph; several instances
+of one kind can live in one run (``sft_a`` -> ``sft_b``). ``load_config(path, overrides)`` merges YAML and
+overrides into the dataclasses below and refuses unknown keys and invalid values with a ``ConfigError`` naming the
+key; ``<stage>.a.b=value`` overrides are shorthand for ``stages.<stage>.a.b=value``.
 
 Hyperparameter defaults follow OpenRLHF (arXiv 2405.11143) and its CLI; model and data paths have no default.
 A model path is a Hugging Face directory or hub name, ``builtin:<name>`` (a tiny model built from
@@ -16,6 +19,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -226,24 +230,101 @@ class PPOConfig:
     train: PPOTrainConfig = opt(PPOTrainConfig(), "Batching, steps, checkpoints.")
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Stage kinds and the pipeline: a graph of named stage instances
+
+
+@dataclass(frozen=True)
+class StageKind:
+    """What a kind of stage is: its config section, the job module that runs one instance, and what it does."""
+
+    name: str
+    section: type
+    job: str  # python -m <job> --config FILE --stage NAME
+    description: str
+
+
+STAGE_KINDS: dict[str, StageKind] = {
+    k.name: k
+    for k in (
+        StageKind("sft", SFTConfig, "rlhf_core.jobs.sft", "Supervised fine-tuning of a causal LM."),
+        StageKind("reward_model", RewardModelConfig, "rlhf_core.jobs.reward_model", "Reward model on preference pairs."),
+        StageKind("critic_init", CriticInitConfig, "rlhf_core.jobs.critic_init", "Critic = copy of a reward model."),
+        StageKind("critic_warmup", PPOConfig, "rlhf_core.jobs.critic_warmup", "PPO loop with the actor frozen."),
+        StageKind("ppo", PPOConfig, "rlhf_core.jobs.ppo", "Ray-distributed PPO."),
+    )
+}
+STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+STAGE_PREFIX = "stage:"
+
+
+@dataclass
+class StageSpec:
+    """One named stage instance: its kind and its typed config section. Its output is ``<run_uri>/<name>/``."""
+
+    name: str
+    kind: str
+    section: Any
+
+    def upstream(self) -> list[tuple[str, str]]:
+        """(config key, stage name) of every ``stage:<name>`` model this instance reads, in field order."""
+        out = []
+        for field_name, value in vars(self.section).items():
+            if isinstance(value, ModelConfig) and value.name_or_path.startswith(STAGE_PREFIX):
+                out.append((f"{self.name}.{field_name}.name_or_path", value.name_or_path[len(STAGE_PREFIX) :]))
+        return out
+
+    def upstream_names(self) -> list[str]:
+        return sorted({name for _, name in self.upstream()})
+
+
 @dataclass
 class PipelineConfig:
     run_uri: str = required("Where the run's artifacts go: a local path, file://... or s3://bucket/prefix.")
     storage: StorageConfig = opt(StorageConfig(), "Object-store credentials and endpoint.")
-    sft: SFTConfig | None = opt(None, "SFT stage.")
-    reward_model: RewardModelConfig | None = opt(None, "Reward-model stage.")
-    critic_init: CriticInitConfig | None = opt(None, "Critic-initialisation stage.")
-    critic_warmup: PPOConfig | None = opt(None, "Critic warm-up: the PPO loop with the actor frozen throughout.")
-    ppo: PPOConfig | None = opt(None, "PPO stage.")
+    stages: dict[str, StageSpec] = opt(
+        {}, "Named stage instances: stages.<name>.kind (sft, reward_model, critic_init, critic_warmup, ppo; default: "
+        "the name) and that kind's section. stage:<name> model paths form the dependency graph."
+    )
 
     def stage(self, name: str) -> Any:
-        section = getattr(self, name, None)
-        if section is None:
-            raise ConfigError(f"the config has no '{name}' section; add it to the preset")
-        return section
+        """The config section of stage instance ``name``."""
+        return self.spec(name).section
+
+    def spec(self, name: str) -> StageSpec:
+        if name not in self.stages:
+            known = ", ".join(self.stages) or "none"
+            raise ConfigError(f"the config has no stage named '{name}' (stages: {known}); add it under 'stages:'")
+        return self.stages[name]
+
+    def kind(self, name: str) -> str:
+        return self.spec(name).kind
+
+    def order(self) -> list[str]:
+        """Stage names in dependency order (each after the stages it reads), preset order among equals."""
+        return topological_order(self)
 
 
-STAGES = ("sft", "reward_model", "critic_init", "critic_warmup", "ppo")
+def topological_order(cfg: PipelineConfig) -> list[str]:
+    done: list[str] = []
+    visiting: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in done:
+            return
+        if name in visiting:
+            cycle = " -> ".join([*visiting[visiting.index(name) :], name])
+            raise ConfigError(f"the stages form a cycle ({cycle}): a stage cannot read its own output")
+        visiting.append(name)
+        for _, upstream in cfg.stages[name].upstream():
+            if upstream in cfg.stages:
+                visit(upstream)
+        visiting.pop()
+        done.append(name)
+
+    for name in cfg.stages:
+        visit(name)
+    return done
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -251,7 +332,10 @@ STAGES = ("sft", "reward_model", "critic_init", "critic_warmup", "ppo")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    """Merge a YAML preset and ``a.b.c=value`` overrides into a validated ``PipelineConfig``."""
+    """Merge a YAML preset and ``a.b.c=value`` overrides into a validated ``PipelineConfig``.
+
+    An override whose first part is a stage name is shorthand for ``stages.<name>...``: ``sft.optim.lr=1e-4``.
+    """
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -264,14 +348,48 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         raw = _unalias(raw)
+        for key in raw:
+            if key not in _TOP_LEVEL:
+                hint = f"; stage sections go under 'stages:' (stages.{key}.kind: ...)" if key in STAGE_KINDS else ""
+                raise ConfigError(f"unknown config key '{key}' at the top level of {path}{hint}")
     for item in overrides:
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+        if key.split(".")[0] not in _TOP_LEVEL:
+            key = f"stages.{key}"
+        _set_dotted(raw, key, yaml.safe_load(value) if value.strip() else None)
+    stages = raw.pop("stages", None) or {}
+    if not isinstance(stages, dict):
+        raise ConfigError("'stages' must be a mapping of stage names to sections")
     cfg = _build(PipelineConfig, raw, "")
+    cfg.stages = {name: _build_stage(str(name), entry) for name, entry in stages.items()}
     validate(cfg)
     return cfg
+
+
+_TOP_LEVEL = ("run_uri", "storage", "stages")
+
+
+def _build_stage(name: str, entry: Any) -> StageSpec:
+    if not isinstance(entry, dict):
+        raise ConfigError(
+            f"unknown config key '{name}': top-level keys are {', '.join(_TOP_LEVEL)}, and a stage section "
+            f"(stages.{name}) must be a mapping"
+        )
+    if not STAGE_NAME.match(name):
+        raise ConfigError(f"invalid stage name '{name}': use lowercase letters, digits and _ (it names a folder)")
+    entry = dict(entry)
+    kind = entry.pop("kind", name if name in STAGE_KINDS else None)
+    if kind not in STAGE_KINDS:
+        close = difflib.get_close_matches(str(kind), STAGE_KINDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        what = f"unknown kind {kind!r}" if kind is not None else "no kind"
+        raise ConfigError(
+            f"stage '{name}' has {what}: set '{name}.kind' to one of {', '.join(STAGE_KINDS)}{hint}"
+        )
+    return StageSpec(name, kind, _build(STAGE_KINDS[kind].section, entry, name))
 
 
 def _unalias(node: Any) -> Any:
@@ -383,17 +501,19 @@ def _join(prefix: str, name: str) -> str:
 def validate(cfg: PipelineConfig) -> None:
     if not cfg.run_uri.strip():
         raise ConfigError("'run_uri' is empty: give a local path, file://... or s3://bucket/prefix")
-    for name in ("sft", "reward_model"):
-        stage = getattr(cfg, name)
-        if stage is None:
-            continue
-        _validate_training(name, stage)
-    rm = cfg.reward_model
-    if rm is not None and not rm.data.eval_path:
-        raise ConfigError("'reward_model.data.eval_path' is required: held-out pairs give accuracy and reward stats")
-    for name in ("critic_warmup", "ppo"):
-        if getattr(cfg, name) is not None:
-            _validate_ppo(name, getattr(cfg, name))
+    for name, spec in cfg.stages.items():
+        if spec.kind in ("sft", "reward_model"):
+            _validate_training(name, spec.section)
+        if spec.kind == "reward_model" and not spec.section.data.eval_path:
+            raise ConfigError(f"'{name}.data.eval_path' is required: held-out pairs give accuracy and reward stats")
+        if spec.kind in ("critic_warmup", "ppo"):
+            _validate_ppo(name, spec.section)
+        for key, upstream in spec.upstream():
+            if upstream not in cfg.stages:
+                close = difflib.get_close_matches(upstream, cfg.stages, n=1)
+                hint = f"did you mean 'stage:{close[0]}'?" if close else f"stages: {', '.join(cfg.stages)}"
+                raise ConfigError(f"'{key}' = stage:{upstream} names no stage of this config; {hint}")
+    topological_order(cfg)  # refuses cycles
 
 
 def _validate_training(name: str, stage: Any) -> None:
@@ -491,9 +611,12 @@ _SECRETS = {"key", "secret"}
 
 
 def to_dict(cfg: Any, redact: bool = True) -> dict:
-    """Plain dict of a config; credentials are replaced by '***' unless redact=False."""
-    out = dataclasses.asdict(cfg)
-    if redact and isinstance(cfg, PipelineConfig):
+    """Plain dict of a config (loadable again); credentials are replaced by '***' unless redact=False."""
+    if not isinstance(cfg, PipelineConfig):
+        return dataclasses.asdict(cfg)
+    out = {"run_uri": cfg.run_uri, "storage": dataclasses.asdict(cfg.storage)}
+    out["stages"] = {name: {"kind": s.kind, **dataclasses.asdict(s.section)} for name, s in cfg.stages.items()}
+    if redact:
         for k in _SECRETS:
             if out["storage"].get(k):
                 out["storage"][k] = "***"
@@ -517,11 +640,17 @@ def stage_hash(section: Any, upstream: dict[str, str] | None = None) -> str:
 
 
 def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, help) rows for documentation and ``--help``."""
+    """(key, default, help) rows for documentation and ``--help``. For ``PipelineConfig`` the stage keys are listed
+    once per kind, under the kind's name (an instance ``<name>`` of that kind takes the same keys)."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = _join(prefix, f.name)
+        if cls is PipelineConfig and f.name == "stages":
+            for kind in STAGE_KINDS.values():
+                rows.append((f"{kind.name}.kind", repr(kind.name), f"Stage kind: {kind.description}"))
+                rows += describe(kind.section, kind.name)
+            continue
         tp = hints[f.name]
         inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         target = tp if dataclasses.is_dataclass(tp) else (inner[0] if inner else None)

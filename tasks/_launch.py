@@ -1,8 +1,9 @@
 """Run one stage job as a child process that Prefect can time out, cancel and retry without leaving anything behind.
 
-The job (``python -m rlhf_core.jobs.<stage>``) starts in its own session; its output (Ray workers' logs included:
-Ray forwards them to the driver) streams line by line into the Prefect run log, and ``[stage] step k/N`` lines
-move a progress callback. On a timeout, a failure of this process, cancellation (Prefect raises in the flow's main
+The job (``python -m rlhf_core.jobs.<kind> --stage <name>``) starts in its own session; its output (Ray workers'
+logs included: Ray forwards them to the driver) streams line by line into the Prefect run log. Progress and the
+result come as structured events (``rlhf_core.events``: JSON lines in a file named by ``RLHF_EVENTS_FILE``), never
+from the log text: ``step`` events move a progress callback, the ``result`` event carries the stage's reference. On a timeout, a failure of this process, cancellation (Prefect raises in the flow's main
 thread) or a crash hook, the whole process tree is stopped: SIGTERM, then SIGKILL after a grace period, found
 through the process tree (psutil) and the job's process group, so Ray's GCS, raylet, workers and vLLM engines go
 too. Every launch is recorded under ``<run_uri>/_launches/``, which is how tests count them.
@@ -10,9 +11,7 @@ too. Every launch is recorded under ``<run_uri>/_launches/``, which is how tests
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,10 +23,10 @@ from typing import Callable
 
 import psutil
 
+from rlhf_core.events import EVENTS_ENV, read_new
 from rlhf_core.storage import ObjectStore
 
 ROOT = Path(__file__).resolve().parent.parent
-STEP_LINE = re.compile(r"\[(\w+)\] step (\d+)/(\d+)")
 _LIVE: dict[int, subprocess.Popen] = {}  # job pid -> process, for the cancellation and crash hooks
 
 
@@ -80,6 +79,7 @@ def kill_all_jobs() -> None:
 
 def launch_stage(
     stage: str,
+    module: str,
     config_path: str,
     store: ObjectStore,
     log: Callable[[str], None],
@@ -87,11 +87,12 @@ def launch_stage(
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
 ) -> dict:
-    """Run the ``stage`` job on the resolved config file and return its CheckpointRef as a dict."""
-    ref_file = Path(tempfile.mkstemp(prefix=f"{stage}-ref-", suffix=".json")[1])
-    cmd = [sys.executable, "-m", f"rlhf_core.jobs.{stage}", "--config", config_path, "--ref-out", str(ref_file)]
+    """Run stage instance ``stage`` (``python -m <module> --stage <stage>`` on the resolved config file) and return
+    the CheckpointRef dict of its ``result`` event."""
+    events_file = Path(tempfile.mkstemp(prefix=f"{stage}-events-", suffix=".jsonl")[1])
+    cmd = [sys.executable, "-m", module, "--config", config_path, "--stage", stage]
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
-                 "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
+                 "HF_HUB_DISABLE_PROGRESS_BARS": "1", EVENTS_ENV: str(events_file)}  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         start_new_session=True,
@@ -99,8 +100,12 @@ def launch_stage(
     _LIVE[proc.pid] = proc
     store.write_json(f"_launches/{stage}-{time.time_ns()}.json", {"stage": stage, "pid": proc.pid, "time": time.time()})
     tail: list[str] = []
-    reader = threading.Thread(target=_pump, args=(proc, stage, log, on_step, tail), daemon=True)
+    results: list[dict] = []
+    finished = threading.Event()
+    reader = threading.Thread(target=_pump, args=(proc, log, tail), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(events_file, stage, on_step, results, finished), daemon=True)
     reader.start()
+    watcher.start()
     try:
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -112,16 +117,20 @@ def launch_stage(
     finally:
         _LIVE.pop(proc.pid, None)
         reader.join(timeout=10)
+        finished.set()
+        watcher.join(timeout=10)
+        events_file.unlink(missing_ok=True)
     if code != 0:
         # The job is gone, but a crash can leave its Ray processes behind: stop whatever remains of its group.
         kill_tree(proc.pid, grace_s=2)
         raise StageJobError(f"the {stage} job failed (exit code {code}):\n" + "\n".join(tail[-15:]), code)
-    ref = json.loads(ref_file.read_text())
-    ref_file.unlink(missing_ok=True)
-    return ref
+    if not results:
+        raise StageJobError(f"the {stage} job exited 0 without a result event", code)
+    return results[-1]
 
 
-def _pump(proc: subprocess.Popen, stage: str, log, on_step, tail: list[str]) -> None:
+def _pump(proc: subprocess.Popen, log: Callable[[str], None], tail: list[str]) -> None:
+    """The job's output into the run log, and the last lines kept for the error message."""
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip()
@@ -130,6 +139,21 @@ def _pump(proc: subprocess.Popen, stage: str, log, on_step, tail: list[str]) -> 
         log(line)
         tail.append(line)
         del tail[:-50]
-        match = STEP_LINE.search(line)
-        if match and match.group(1) == stage and on_step is not None:
-            on_step(int(match.group(2)), int(match.group(3)))
+
+
+def _watch(path: Path, stage: str, on_step, results: list[dict], finished: threading.Event, poll_s: float = 0.5):
+    """Follow the events file until the job has ended: progress from ``step`` events, the ``result`` event kept."""
+    offset = 0
+    while True:
+        done = finished.is_set()  # read once more after the job ended, then stop
+        new, offset = read_new(path, offset)
+        for event in new:
+            if event.get("stage") != stage:
+                continue
+            if event["event"] == "step" and on_step is not None:
+                on_step(int(event["step"]), int(event["total"]))
+            elif event["event"] == "result":
+                results.append(event["ref"])
+        if done:
+            return
+        finished.wait(poll_s)

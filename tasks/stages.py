@@ -1,7 +1,11 @@
-"""One Prefect task per stage. Each launches its job and returns only a reference (URI, step, config hash, metrics).
+"""One generic Prefect task that runs any stage instance of a preset, and the helpers the flow needs around it.
 
-Cache key: run name + stage + the stage's config hash, which covers the stage's resolved config and the config
-hashes of the upstream stages it reads, so changing one stage reruns it and everything after it and nothing
+Every instance becomes a task run named after it (``sft``, ``sft_b``, ``ppo``...), launched through the same
+``run_stage`` task, whose retry, timeout and cache policy stand here in ``STAGE_TASK_OPTIONS``. It returns only a
+reference (URI, step, config hash, metrics).
+
+Cache key: run name + stage name + the stage's config hash, which covers the stage's resolved config and the
+config hashes of the upstream stages it reads, so changing one stage reruns it and everything after it and nothing
 before. A cached result is trusted only while the stage's ``manifest.json`` is there, verifies and carries that
 hash; otherwise the cached record is deleted before the lookup and the stage runs (resuming from its newest
 in-stage checkpoint). Results live in the run's own location, ``<run_uri>/_prefect/results/<key>``.
@@ -16,13 +20,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 
-from rlhf_core.config import ModelConfig, PipelineConfig, load_config, stage_hash
-from rlhf_core.jobs.common import STAGE_PREFIX, existing_output, open_store
+from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config, stage_hash
+from rlhf_core.jobs.common import committed_ref, existing_output, open_store
+from rlhf_core.storage import ObjectStore
 from tasks._launch import StageJobError, launch_stage
 
 RESULTS = "_prefect/results"  # under the run's location; flows.rlhf_pipeline.result_storage points there
-RETRY_DELAYS = [10, 60]
-STAGE_TIMEOUT_S = 6 * 3600
 
 
 @dataclass(frozen=True)
@@ -34,50 +37,22 @@ class RunSpec:
     config_path: str
 
 
-def upstream_stages(section: Any) -> list[str]:
-    """Stages named by ``stage:<name>`` in a section's model paths (a PPO reference defaults to the actor)."""
-    names = []
-    for value in vars(section).values():
-        if isinstance(value, ModelConfig) and value.name_or_path.startswith(STAGE_PREFIX):
-            names.append(value.name_or_path[len(STAGE_PREFIX) :])
-    return sorted(set(names))
-
-
 def expected_hash(cfg: PipelineConfig, stage: str, upstream: dict[str, dict]) -> str:
     """The config hash the job will compute: its section plus the hashes of the upstream outputs it reads."""
-    section = cfg.stage(stage)
-    return stage_hash(section, {name: upstream[name]["config_hash"] for name in upstream_stages(section)})
+    spec = cfg.spec(stage)
+    return stage_hash(spec.section, {name: upstream[name]["config_hash"] for name in spec.upstream_names()})
 
 
-def cache_key_for(stage: str):
-    def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-        run: RunSpec = parameters["run"]
-        cfg = load_config(run.config_path)
-        config_hash = expected_hash(cfg, stage, parameters["upstream"])
-        key = f"rlhf-{run.run_name}-{stage}-{config_hash}"
-        store = open_store(cfg)
-        if existing_output(store, stage, config_hash) is None:
-            store.delete(f"{RESULTS}/{key}")  # a cached reference to an output that is gone or changed: drop it
-        return key
-
-    return stage_cache_key
-
-
-def _run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> dict:
-    logger = get_run_logger()
+def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    run: RunSpec = parameters["run"]
+    stage: str = parameters["stage"]
     cfg = load_config(run.config_path)
-    missing = [name for name in upstream_stages(cfg.stage(stage)) if name not in upstream]
-    assert not missing, f"{stage} needs the references of {missing}"
-    key = stage.replace("_", "-")
-    progress = create_progress_artifact(progress=0.0, key=f"{key}-progress", description=f"{stage}: steps done")
-    ref = launch_stage(
-        stage, run.config_path, open_store(cfg), logger.info,
-        on_step=lambda done, total: update_progress_artifact(progress, 100.0 * done / total),
-    )  # fmt: skip
-    update_progress_artifact(progress, 100.0)
-    rows = [{"metric": k, "value": v} for k, v in ref["metrics"].items()]
-    create_table_artifact(rows, key=f"{key}-metrics", description=f"{stage} metrics ({ref['uri']})")
-    return ref
+    config_hash = expected_hash(cfg, stage, parameters["upstream"])
+    key = f"rlhf-{run.run_name}-{stage}-{config_hash}"
+    store = open_store(cfg)
+    if existing_output(store, stage, config_hash) is None:
+        store.delete(f"{RESULTS}/{key}")  # a cached reference to an output that is gone or changed: drop it
+    return key
 
 
 def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
@@ -86,47 +61,53 @@ def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
     return not (isinstance(error, StageJobError) and error.bad_input)
 
 
-def _options(stage: str) -> dict:
-    return dict(
-        name=stage.replace("_", "-"), retries=2, retry_delay_seconds=RETRY_DELAYS, timeout_seconds=STAGE_TIMEOUT_S,
-        cache_key_fn=cache_key_for(stage), persist_result=True, retry_condition_fn=worth_retrying,
+# The policy of every stage task, in one place. The flow sets per run: the task's name (the instance), the result
+# storage (inside the run's location) and the retry count (a flow parameter).
+STAGE_TASK_OPTIONS: dict[str, Any] = dict(
+    retries=2,
+    retry_delay_seconds=[10, 60],
+    retry_condition_fn=worth_retrying,
+    timeout_seconds=6 * 3600,
+    cache_key_fn=stage_cache_key,
+    persist_result=True,
+)
+
+
+@task(name="stage", **STAGE_TASK_OPTIONS)
+def run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> dict:
+    """Run one stage instance as its job (``python -m rlhf_core.jobs.<kind> --stage <name>``)."""
+    logger = get_run_logger()
+    cfg = load_config(run.config_path)
+    spec = cfg.spec(stage)
+    missing = [name for name in spec.upstream_names() if name not in upstream]
+    assert not missing, f"{stage} needs the references of {missing}"
+    key = stage.replace("_", "-")
+    progress = create_progress_artifact(progress=0.0, key=f"{key}-progress", description=f"{stage}: steps done")
+    ref = launch_stage(
+        stage, STAGE_KINDS[spec.kind].job, run.config_path, open_store(cfg), logger.info,
+        on_step=lambda done, total: update_progress_artifact(progress, 100.0 * done / total),
+    )  # fmt: skip
+    update_progress_artifact(progress, 100.0)
+    rows = [{"metric": k, "value": v} for k, v in ref["metrics"].items()]
+    create_table_artifact(rows, key=f"{key}-metrics", description=f"{stage} ({spec.kind}) metrics ({ref['uri']})")
+    return ref
+
+
+def stage_task(stage: str, kind: str, result_storage: Any, retries: int) -> Any:
+    """The task for one instance: ``run_stage`` named after it."""
+    return run_stage.with_options(
+        name=stage, task_run_name=stage, description=STAGE_KINDS[kind].description, result_storage=result_storage,
+        retries=retries,
     )  # fmt: skip
 
 
-@task(**_options("sft"))
-def train_sft(run: RunSpec, upstream: dict[str, dict]) -> dict:
-    """Supervised fine-tuning of the base model."""
-    return _run_stage(run, "sft", upstream)
+def run_store(cfg: PipelineConfig) -> ObjectStore:
+    """The run's object store (a plain local run_uri made absolute)."""
+    return open_store(cfg)
 
 
-@task(**_options("reward_model"))
-def train_reward_model(run: RunSpec, upstream: dict[str, dict]) -> dict:
-    """Reward model on preference pairs, from the SFT model."""
-    return _run_stage(run, "reward_model", upstream)
-
-
-@task(**_options("critic_init"))
-def init_critic_from_rm(run: RunSpec, upstream: dict[str, dict]) -> dict:
-    """Critic = copy of the reward model."""
-    return _run_stage(run, "critic_init", upstream)
-
-
-@task(**_options("critic_warmup"))
-def warm_up_critic(run: RunSpec, upstream: dict[str, dict]) -> dict:
-    """PPO loop with the actor frozen: trains the critic only."""
-    return _run_stage(run, "critic_warmup", upstream)
-
-
-@task(**_options("ppo"))
-def train_ppo(run: RunSpec, upstream: dict[str, dict]) -> dict:
-    """Ray-distributed PPO."""
-    return _run_stage(run, "ppo", upstream)
-
-
-STAGE_TASKS = {
-    "sft": train_sft,
-    "reward_model": train_reward_model,
-    "critic_init": init_critic_from_rm,
-    "critic_warmup": warm_up_critic,
-    "ppo": train_ppo,
-}
+def existing_refs(cfg: PipelineConfig, names: list[str]) -> dict[str, dict]:
+    """References of the given stages' committed outputs in the run (for a partial run), where they exist."""
+    store = open_store(cfg)
+    refs = {name: committed_ref(store, name) for name in names}
+    return {name: ref.to_dict() for name, ref in refs.items() if ref is not None}

@@ -9,22 +9,22 @@ BASE = ["run_uri=/tmp/x", "sft.model.name_or_path=builtin:tiny", "sft.data.train
 
 def test_tiny_preset_loads_with_stage_sections():
     cfg = load_config(TINY)
-    assert cfg.sft.model.name_or_path == "builtin:tiny"
-    assert cfg.reward_model.model.name_or_path == "stage:sft"
-    assert cfg.critic_init.model.name_or_path == "stage:reward_model"
-    assert cfg.sft.strategy.precision == "fp32"
+    assert cfg.stage("sft").model.name_or_path == "builtin:tiny"
+    assert cfg.stage("reward_model").model.name_or_path == "stage:sft"
+    assert cfg.stage("critic_init").model.name_or_path == "stage:reward_model"
+    assert cfg.stage("sft").strategy.precision == "fp32"
 
 
 def test_overrides_are_typed_and_win_over_yaml():
     cfg = load_config(TINY, ["sft.optim.lr=1e-4", "sft.strategy.zero_stage=3", "run_uri=s3://b/run"])
-    assert cfg.sft.optim.lr == 1e-4 and cfg.sft.strategy.zero_stage == 3 and cfg.run_uri == "s3://b/run"
+    assert cfg.stage("sft").optim.lr == 1e-4 and cfg.stage("sft").strategy.zero_stage == 3 and cfg.run_uri == "s3://b/run"
 
 
 def test_partial_section_keeps_the_stage_defaults():
     cfg = load_config(None, ["run_uri=/x", "reward_model.model.name_or_path=m", "reward_model.data.train_path=a",
                              "reward_model.data.eval_path=b", "reward_model.optim.max_norm=0.5"])
-    assert cfg.reward_model.optim.lr == 9e-6  # the RM's default, not the SFT one
-    assert cfg.reward_model.optim.max_norm == 0.5
+    assert cfg.stage("reward_model").optim.lr == 9e-6  # the RM's default, not the SFT one
+    assert cfg.stage("reward_model").optim.max_norm == 0.5
 
 
 @pytest.mark.parametrize(
@@ -68,9 +68,9 @@ def test_stage_hash_tracks_semantics_not_bookkeeping():
     a = load_config(TINY)
     b = load_config(TINY, ["sft.train.keep_last=9", "sft.train.save_steps=3", "sft.strategy.num_workers=2"])
     c = load_config(TINY, ["sft.optim.lr=0.1"])
-    assert stage_hash(a.sft) == stage_hash(b.sft)
-    assert stage_hash(a.sft) != stage_hash(c.sft)
-    assert stage_hash(a.sft, {"sft": "x"}) != stage_hash(a.sft, {"sft": "y"})
+    assert stage_hash(a.stage("sft")) == stage_hash(b.stage("sft"))
+    assert stage_hash(a.stage("sft")) != stage_hash(c.stage("sft"))
+    assert stage_hash(a.stage("sft"), {"sft": "x"}) != stage_hash(a.stage("sft"), {"sft": "y"})
 
 
 def test_every_field_is_documented():
@@ -82,4 +82,4 @@ def test_every_field_is_documented():
 def test_override_of_an_anchored_section_changes_only_that_stage():
     # tiny.yaml shares one strategy mapping between stages through a YAML anchor.
     cfg = load_config(TINY, ["sft.strategy.num_workers=2"])
-    assert cfg.sft.strategy.num_workers == 2 and cfg.reward_model.strategy.num_workers == 1
+    assert cfg.stage("sft").strategy.num_workers == 2 and cfg.stage("reward_model").strategy.num_workers == 1

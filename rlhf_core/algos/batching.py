@@ -1,4 +1,5 @@
-"""Batch plumbing for experience: build padded (B, T) tensors from prompt/response ids, split and join dicts.
+"""Batch plumbing for experience: build padded (B, T) tensors from prompt/response ids, mark truncated responses,
+split and select rows of dicts (the typed PPO batches split themselves, see :mod:`rlhf_core.algos.experience`).
 
 Pure torch. Conventions: sequences are right-padded; position t of a (B, T-1) per-token tensor (log-probs, values,
 KL, rewards, advantages) belongs to the token at t+1, so ``action_mask[:, t]`` is 1 when token t+1 is a response
@@ -9,14 +10,35 @@ from __future__ import annotations
 
 import torch
 
+from .experience import SequenceBatch
 
-def make_sequences(
-    prompts: list[list[int]], responses: list[list[int]], pad_id: int
-) -> dict[str, torch.Tensor]:
+
+def ensure_eos(responses: list[list[int]], eos_id: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Close every response with EOS; a response cut at max_new_tokens has none.
+
+    Args:
+        responses: B lists of token ids (not modified).
+        eos_id: the EOS token id.
+    Returns:
+        (responses, truncated): new lists, each ending with ``eos_id`` (``eos_id`` appended where the last token
+        was not EOS; an empty response becomes ``[eos_id]``), and a (B,) bool tensor, True where EOS was appended.
+    """
+    truncated = [not r or r[-1] != eos_id for r in responses]
+    closed = [list(r) + [eos_id] if cut else list(r) for r, cut in zip(responses, truncated)]
+    return closed, torch.tensor(truncated, dtype=torch.bool).reshape(len(responses))
+
+
+def make_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> SequenceBatch:
     """Join each prompt with its response.
 
+    Args:
+        prompts: B lists of token ids, each non-empty.
+        responses: B lists of token ids (EOS included when there is one; may be empty).
+        pad_id: id written on the padding.
     Returns:
-        ``input_ids`` (B, T) right-padded with ``pad_id``, ``attention_mask`` (B, T), ``action_mask`` (B, T-1).
+        a :class:`SequenceBatch`: ``input_ids`` (B, T) long, right-padded with ``pad_id``, T = the longest
+        prompt + response; ``attention_mask`` (B, T) long; ``action_mask`` (B, T-1) long, 1 at position t when
+        token t+1 is a response token.
     """
     rows = [p + r for p, r in zip(prompts, responses)]
     width = max(len(x) for x in rows)
@@ -27,7 +49,7 @@ def make_sequences(
         input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, : len(p) + len(r)] = 1
         action_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask}
+    return SequenceBatch(input_ids=input_ids, attention_mask=attention_mask, action_mask=action_mask)
 
 
 def split_batch(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
@@ -44,4 +66,5 @@ def shard_batch(batch: dict[str, torch.Tensor], world_size: int) -> list[dict[st
 
 
 def select_rows(batch: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rows ``index`` ((K,) long, or (B,) bool) of every tensor of ``batch``."""
     return {k: v[index] for k, v in batch.items()}

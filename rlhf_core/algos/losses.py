@@ -1,4 +1,5 @@
-"""Supervised losses: response-only next-token loss (SFT) and the pairwise Bradley-Terry loss (reward model).
+"""Supervised losses: response-only next-token loss (SFT) and the pairwise Bradley-Terry loss (reward model), with the
+masked reductions and token log-probs that the PPO losses share.
 
 Pure torch, tensor in and tensor out; shapes in the docstrings. B = batch, T = sequence length, V = vocabulary.
 """
@@ -25,16 +26,68 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each next token.
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is 1.
+
+    Args:
+        values: any shape.
+        mask: same shape, 0/1 (bool or number).
+        dim: reduce over this dim only; None = over everything.
+    Returns:
+        scalar, or ``values`` summed over ``dim``. An all-zero mask gives 0.
+    """
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum()
+    return (values * mask).sum(dim)
+
+
+def window_loss_scale(accumulation_steps: int, world_size: int) -> float:
+    """Factor that turns per-micro-batch token sums into the token mean over a whole gradient-accumulation window.
+
+    One optimizer step sees ``accumulation_steps`` micro-batches on each of ``world_size`` data-parallel ranks: the
+    window. DeepSpeed divides each micro-batch loss by ``accumulation_steps`` before backward and averages the
+    gradients over the ranks, so the step's gradient is the mean, over ranks and micro-batches, of the micro-batch
+    gradients. A per-micro-batch token mean therefore weighs a token by 1 / (its micro-batch's token count): tokens of
+    short responses count more. With N_window = the number of action tokens of the whole window (summed over every
+    micro-batch and every rank, e.g. by an all-reduce), the micro-batch loss
+
+        sum_t(loss_t * mask_t) / N_window * accumulation_steps * world_size
+
+    makes the step's gradient exactly that of the token mean over the N_window tokens (OpenRLHF 0.11
+    ``aggregate_loss``): every token of the window has weight 1 / N_window, on every rank. With the losses of
+    :mod:`rlhf_core.algos.ppo` that is ``num_tokens=N_window / window_loss_scale(accumulation_steps, world_size)``.
+
+    Args:
+        accumulation_steps: micro-batches per optimizer step on one rank (>= 1).
+        world_size: data-parallel ranks that average their gradients (>= 1).
+    Returns:
+        ``accumulation_steps * world_size`` as a float.
+    """
+    if accumulation_steps < 1 or world_size < 1:
+        raise ValueError(f"need accumulation_steps >= 1 and world_size >= 1, got {accumulation_steps}, {world_size}")
+    return float(accumulation_steps * world_size)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each next token, under the logits divided by the sampling temperature.
+
+    Use the rollout's temperature so that the log-probs are those of the distribution the tokens were sampled from
+    (as OpenRLHF does); 1.0 leaves the logits as they are (no division at all).
 
     Args:
         logits: (B, T, V) from a causal LM over ``input_ids``.
         input_ids: (B, T).
+        temperature: > 0; ``log_softmax(logits / temperature)``.
     Returns:
-        (B, T-1): entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
+        (B, T-1) float32: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
     """
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = F.log_softmax(logits, dim=-1)
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .losses import last_token_index, masked_mean
+from .losses import last_token_index, masked_mean, masked_sum
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -21,7 +21,10 @@ def approx_kl(
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled tokens, with d = logprobs - ref_logprobs.
 
-    k1 = d; k2 = d**2 / 2; k3 = exp(-d) - 1 + d (non-negative, unbiased; Schulman's "k3").
+    k1 = d; k2 = d**2 / 2; k3 = exp(-d) - 1 + d (non-negative, unbiased; Schulman's "k3"), with d first clamped to
+    [-10, 10] for k3 so that exp never overflows: its value and gradient stay finite for any d (at d = -100 the
+    unclamped exp(100) is inf in float32 and the backward pass gives 0 * inf = NaN). So k3 saturates at
+    e^10 - 1 - 10 -> 10 (after the final clamp) for d <= -10 and at e^-10 - 1 + 10 = 9.0000454 for d >= 10.
 
     Args:
         logprobs: (B, T) log pi(a_t) of the sampled tokens under the policy.
@@ -37,6 +40,7 @@ def approx_kl(
     elif estimator == "k2":
         kl = d.square() / 2
     elif estimator == "k3":
+        d = d.clamp(-10.0, 10.0)
         kl = torch.exp(-d) - 1 + d
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
@@ -78,14 +82,32 @@ def clip_scores(scores: torch.Tensor, low: float, high: float) -> torch.Tensor:
     return scores.clamp(low, high)
 
 
+def apply_missing_eos_penalty(scores: torch.Tensor, truncated: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """Add ``penalty`` (usually negative) to the score of each response cut at max_new_tokens without an EOS.
+
+    Args:
+        scores: (B,) reward-model scores.
+        truncated: (B,) bool, True where the response had no EOS (see ``batching.ensure_eos``).
+        penalty: added where ``truncated``; None = no penalty (``scores`` returned unchanged).
+    Returns:
+        (B,) ``scores + penalty`` where ``truncated``, ``scores`` elsewhere.
+    """
+    if penalty is None:
+        return scores
+    return torch.where(truncated.bool(), scores + penalty, scores)
+
+
 @torch.no_grad()
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation, backwards over T.
+    """Generalised advantage estimation, backwards over the action tokens of each row.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};  returns_t = A_t + V_t.
-    V and A after the last action token (and on any masked position) count as 0.
+    For an action token t (mask 1), with n = the next action token after t in the row:
+    delta_t = r_t + gamma * V_n - V_t;  A_t = delta_t + gamma * lam * A_n;  returns_t = A_t + V_t.
+    V and A after the last action token count as 0. Masked positions (padding, and holes inside a response such as
+    tool output) are not time steps: the recursion skips them, carrying V_n and A_n across unchanged, so the tokens
+    before a hole still see the reward after it. With a contiguous mask this is the usual GAE over t, t+1, ...
 
     Args:
         rewards: (B, T) from :func:`token_rewards`.
@@ -96,18 +118,21 @@ def gae(
     Returns:
         (advantages, returns), both (B, T), 0 where ``action_mask`` is 0; no grad.
     """
-    mask = action_mask.to(values.dtype)
-    values = values * mask
-    rewards = rewards * mask
+    keep = action_mask.bool()
+    mask = keep.to(values.dtype)
+    # where, not multiply: a non-finite value or reward on a masked position must not leak through 0 * inf.
+    values = torch.where(keep, values, torch.zeros_like(values))
+    rewards = torch.where(keep, rewards.to(values.dtype), torch.zeros_like(values))
     T = rewards.size(1)
     advantages = torch.zeros_like(values)
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(values[:, 0])
     for t in reversed(range(T)):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
-        advantages[:, t] = next_advantage
-        next_value = values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = advantage * mask[:, t]
+        next_advantage = torch.where(keep[:, t], advantage, next_advantage)
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
     returns = (advantages + values) * mask
     return advantages, returns
 
@@ -185,8 +210,9 @@ def policy_loss(
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
     clip_eps: float = 0.2,
+    num_tokens: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate loss, token mean over every action token of the batch.
+    """PPO clipped surrogate loss: token mean over the action tokens of the batch, or token sum / ``num_tokens``.
 
     ratio = exp(clamp(pi_logprobs - pi_old_logprobs, -20, 20));
     loss_t = -min(ratio * A_t, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A_t).
@@ -197,15 +223,20 @@ def policy_loss(
         advantages: (B, T).
         action_mask: (B, T).
         clip_eps: epsilon of the ratio clip.
+        num_tokens: None = token mean over this batch's action tokens; a number (or scalar tensor) =
+            sum_t(loss_t * mask_t) / num_tokens, e.g. the action tokens of the whole accumulation window so that
+            every token of the window weighs the same (see ``losses.window_loss_scale``).
     Returns:
         (loss, stats): scalar loss; ``clip_frac`` = fraction of action tokens where the clipped term is the
-        (strict) minimum, so its gradient is 0; ``approx_kl`` = token mean of pi_old_logprobs - pi_logprobs.
+        (strict) minimum, so its gradient is 0; ``approx_kl`` = token mean of pi_old_logprobs - pi_logprobs. The
+        stats are token means over this batch whatever ``num_tokens`` is.
     """
     log_ratio = (pi_logprobs - pi_old_logprobs).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     surr = ratio * advantages
     surr_clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    loss = masked_mean(-torch.min(surr, surr_clipped), action_mask)
+    loss_t = -torch.min(surr, surr_clipped)
+    loss = masked_mean(loss_t, action_mask) if num_tokens is None else masked_sum(loss_t, action_mask) / num_tokens
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((surr_clipped < surr).to(surr.dtype), action_mask).item(),
@@ -220,8 +251,9 @@ def value_loss(
     returns: torch.Tensor,
     action_mask: torch.Tensor,
     clip_eps: float | None = 0.5,
+    num_tokens: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss, token mean over every action token of the batch.
+    """Clipped value loss: token mean over the action tokens of the batch, or token sum / ``num_tokens``.
 
     v_clip = old + clamp(v - old, -c, c);  loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2).
     ``clip_eps=None``: loss_t = 0.5 * (v - R)^2.
@@ -232,16 +264,24 @@ def value_loss(
         returns: (B, T) GAE returns.
         action_mask: (B, T).
         clip_eps: c, or None for no clipping.
+        num_tokens: None = token mean over this batch's action tokens; a number (or scalar tensor) =
+            sum_t(loss_t * mask_t) / num_tokens (see :func:`policy_loss`).
     Returns:
-        (loss, stats): scalar loss; ``value_clip_frac`` = fraction of action tokens where the clipped term is
-        the (strict) maximum (0.0 without clipping).
+        (loss, stats): scalar loss; ``value_clip_frac`` = fraction of action tokens of this batch where the
+        clipped term is the (strict) maximum (0.0 without clipping).
     """
+
+    def reduce(loss_t: torch.Tensor) -> torch.Tensor:
+        if num_tokens is None:
+            return masked_mean(loss_t, action_mask)
+        return masked_sum(loss_t, action_mask) / num_tokens
+
     err = (values - returns).square()
     if clip_eps is None:
-        return 0.5 * masked_mean(err, action_mask), {"value_clip_frac": 0.0}
+        return 0.5 * reduce(err), {"value_clip_frac": 0.0}
     values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     err_clipped = (values_clipped - returns).square()
-    loss = 0.5 * masked_mean(torch.max(err, err_clipped), action_mask)
+    loss = 0.5 * reduce(torch.max(err, err_clipped))
     with torch.no_grad():
         clip_frac = masked_mean((err_clipped > err).to(err.dtype), action_mask).item()
     return loss, {"value_clip_frac": clip_frac}

@@ -11,38 +11,55 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_core.config import ConfigError, PipelineConfig, load_config, stage_hash
+from rlhf_core import events
+from rlhf_core.config import STAGE_PREFIX, ConfigError, PipelineConfig, load_config, stage_hash
 from rlhf_core.data.sampler import total_steps
-from rlhf_core.distributed.trainer import StageContext
+from rlhf_core.distributed.trainer import StageContext, newest_checkpoint
 from rlhf_core.models.builders import check_model_source
 from rlhf_core.storage import ArtifactError, ObjectStore, storage_options_for
 from rlhf_core.types import CheckpointRef
 
-STAGE_PREFIX = "stage:"
-
-
-def parse_args(stage: str, argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(kind: str, argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog=f"python -m rlhf_core.jobs.{stage}",
-        description=f"Run the {stage} stage alone. Overrides are dotted keys, e.g. {stage}.train.max_steps=10.",
+        prog=f"python -m rlhf_core.jobs.{kind}",
+        description=f"Run one {kind} stage of a preset alone. Overrides are dotted keys, e.g. {kind}.train.max_steps=10.",
     )
     parser.add_argument("--config", required=True, help="YAML preset, e.g. deployments/configs/tiny.yaml")
-    parser.add_argument("--ref-out", help="write the resulting CheckpointRef as JSON to this file")
+    parser.add_argument("--stage", help=f"the stage instance to run (default: the preset's only {kind} stage)")
+    parser.add_argument("--ref-out", help="also write the resulting CheckpointRef as JSON to this file")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (YAML values)")
     return parser.parse_args(argv)
 
 
-def main(stage: str, run: Callable[[PipelineConfig], CheckpointRef]) -> None:
-    """``python -m rlhf_core.jobs.<stage>``: bad input exits with status 2 and one clear line."""
+def stage_of_kind(cfg: PipelineConfig, kind: str, name: str | None) -> str:
+    """The instance to run: ``name`` (checked to be of ``kind``), else the config's only instance of ``kind``."""
+    if name is not None:
+        if cfg.kind(name) != kind:
+            raise ConfigError(f"stage '{name}' is of kind {cfg.kind(name)}, not {kind}: run it with "
+                              f"python -m rlhf_core.jobs.{cfg.kind(name)} --stage {name}")  # fmt: skip
+        return name
+    names = [n for n, spec in cfg.stages.items() if spec.kind == kind]
+    if len(names) != 1:
+        found = ", ".join(names) or "none"
+        raise ConfigError(f"give --stage: the config has {len(names)} stages of kind {kind} ({found})")
+    return names[0]
+
+
+def main(kind: str, run: Callable[[PipelineConfig, str], CheckpointRef], argv: list[str] | None = None) -> None:
+    """``python -m rlhf_core.jobs.<kind> [--stage NAME]``: bad input exits with status 2 and one clear line. The
+    result also goes out as a ``result`` event (``rlhf_core.events``) for the launcher."""
     from rlhf_core.data.loading import DataError
     from rlhf_core.models.builders import ModelPathError
 
-    args = parse_args(stage)
+    args = parse_args(kind, argv)
     try:
-        ref = run(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        stage = stage_of_kind(cfg, kind, args.stage)
+        ref = run(cfg, stage)
     except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    events.result(stage, ref.to_dict())
     if args.ref_out:
         Path(args.ref_out).write_text(json.dumps(ref.to_dict()))
     print(f"[{stage}] done: {ref.uri} (step {ref.step}, config {ref.config_hash})")
@@ -151,6 +168,7 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     if done is not None:
         print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
         return StageSetup(stage, section, store, "", {}, upstream, config_hash, done)
+    check_resumable(store, stage, section, config_hash)
     work = work_dir(stage)
     fetched: dict[str, str] = {}
     for role, model in models.items():
@@ -158,6 +176,29 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
             fetched[model.name_or_path] = resolve_model(store, model.name_or_path, keys[role], work)
     paths = {role: fetched[model.name_or_path] for role, model in models.items()}
     return StageSetup(stage, section, store, work, paths, upstream, config_hash, None)
+
+
+def check_resumable(store: ObjectStore, stage: str, section: Any, config_hash: str) -> None:
+    """Refuse to resume from a checkpoint written by another number of ranks (its ZeRO shards would not load).
+
+    Checkpoint manifests record ``extra["workers"]``: {dotted key under the stage section: ranks that wrote it}.
+    The worker counts are outside the config hash (moving a finished stage to more devices must not invalidate it),
+    so this check is what stands between a resized rerun and a checkpoint it cannot load.
+    """
+    found = newest_checkpoint(store, stage, config_hash)
+    if found is None:
+        return
+    recorded = store.read_manifest(found[1], verify=False).extra.get("workers", {})
+    for key, then in recorded.items():
+        now = section
+        for part in key.split("."):
+            now = getattr(now, part)
+        if now != then:
+            raise ConfigError(
+                f"'{stage}.{key}' = {now}, but the checkpoint to resume from ({store.uri(found[1])}) was written by "
+                f"{then} ranks: set {stage}.{key}={then} to resume, or delete {store.uri(f'{stage}/checkpoints')} to "
+                "start the stage over"
+            )
 
 
 def check_steps(stage: str, section: Any, n_rows: int) -> None:

@@ -20,18 +20,18 @@ from rlhf_core.jobs import common
 from rlhf_core.models.builders import load_tokenizer
 from rlhf_core.types import CheckpointRef
 
-STAGE = "critic_init"
+KIND = "critic_init"
 
 
-def run(cfg: PipelineConfig) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     # 1. the reward model, verified
-    st = common.setup_stage(cfg, STAGE)
+    st = common.setup_stage(cfg, stage)
     if st.done is not None:
         return st.done
     section, store, work, rm_path = st.section, st.store, st.work, st.model_path
-    key = "critic_init.model.name_or_path"
+    key = f"{stage}.model.name_or_path"
     rm_config = AutoConfig.from_pretrained(rm_path)
     if not any("ForSequenceClassification" in a for a in rm_config.architectures or []) or rm_config.num_labels != 1:
         raise ConfigError(f"'{key}' = {section.model.name_or_path} is not a reward model (one-output classifier)")
@@ -49,12 +49,12 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
         "reward_std": getattr(rm_config, "reward_std", None),
     }
     store.put_artifact(
-        str(out), STAGE, stage=STAGE, config_hash=st.config_hash, metrics=metrics, extra={"upstream": st.upstream},
+        str(out), stage, stage=stage, config_hash=st.config_hash, metrics=metrics, extra={"upstream": st.upstream},
         clear=False,
     )  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
-    return CheckpointRef(store.uri(STAGE), STAGE, 0, st.config_hash, metrics)
+    return CheckpointRef(store.uri(stage), stage, 0, st.config_hash, metrics)
 
 
 if __name__ == "__main__":
-    common.main(STAGE, run)
+    common.main(KIND, run)

@@ -14,12 +14,12 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.jobs import common, ppo
 from rlhf_core.types import CheckpointRef
 
-STAGE = "critic_warmup"
+KIND = "critic_warmup"
 
 
-def run(cfg: PipelineConfig) -> CheckpointRef:
-    return ppo.run(cfg, stage=STAGE, train_actor=False)
+def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+    return ppo.run(cfg, stage=stage, train_actor=False)
 
 
 if __name__ == "__main__":
-    common.main(STAGE, run)
+    common.main(KIND, run)

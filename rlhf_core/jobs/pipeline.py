@@ -1,4 +1,5 @@
-"""Run the stages in order (SFT -> reward model -> critic init -> critic warm-up -> PPO) and print each result.
+"""Run a preset's stages in dependency order (tiny/demo: SFT -> reward model -> critic init -> critic warm-up -> PPO)
+in this process and print each result.
 
 This is the README's main job on the embedded default: a local Ray started by each stage, a local folder as the
 object store. Finished stages whose output is complete for the same config are not run again, and a stage that
@@ -12,20 +13,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Callable
 
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError, PipelineConfig, load_config
 from rlhf_core.data.loading import DataError
 from rlhf_core.jobs import critic_init, critic_warmup, ppo, reward_model, sft
 from rlhf_core.models.builders import ModelPathError
 from rlhf_core.storage import ArtifactError
+from rlhf_core.types import CheckpointRef
 
-STAGES = (
-    ("sft", sft.run),
-    ("reward_model", reward_model.run),
-    ("critic_init", critic_init.run),
-    ("critic_warmup", critic_warmup.run),
-    ("ppo", ppo.run),
-)
+# stage kind -> run(cfg, stage_name): one entry per kind in rlhf_core.config.STAGE_KINDS
+RUNNERS: dict[str, Callable[[PipelineConfig, str], CheckpointRef]] = {
+    "sft": sft.run,
+    "reward_model": reward_model.run,
+    "critic_init": critic_init.run,
+    "critic_warmup": critic_warmup.run,
+    "ppo": ppo.run,
+}
 SHOWN = (
     "loss_start", "loss_end", "eval_loss", "eval_accuracy", "reward_mean", "reward_std", "steps", "critic_loss",
     "gold_reward_before", "gold_reward_after", "rm_score_before", "rm_score_after", "kl_to_ref_after",
@@ -40,11 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         results = []
-        for name, run in STAGES:
-            if getattr(cfg, name) is None:
-                continue
+        for name in cfg.order():
             started = time.time()
-            ref = run(cfg)
+            ref = RUNNERS[cfg.kind(name)](cfg, name)
             results.append((name, ref, time.time() - started))
     except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ from rlhf_core.jobs import common
 from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model, load_tokenizer
 from rlhf_core.types import CheckpointRef
 
-STAGE = "reward_model"
+KIND = "reward_model"
 
 
 class RewardModelImpl:
@@ -70,9 +70,9 @@ class RewardModelImpl:
         hf_model.config.reward_std = metrics["reward_std"]
 
 
-def run(cfg: PipelineConfig) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     # 1. inputs: model, config hash, finished output
-    st = common.setup_stage(cfg, STAGE)
+    st = common.setup_stage(cfg, stage)
     if st.done is not None:
         return st.done
 
@@ -81,7 +81,7 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
     tokenizer = load_tokenizer(st.model_path, section.model.tokenizer)
     train = preference_examples(section.data, tokenizer, "train", options)
     held_out = preference_examples(section.data, tokenizer, "eval", options)
-    common.check_steps(STAGE, section, len(train))
+    common.check_steps(stage, section, len(train))
 
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
     impl = RewardModelImpl(section.margin)
@@ -89,8 +89,8 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
         metrics = launcher.run_group(section.strategy, SupervisedTrainer, impl, st.context(), train, held_out)[0]
     finally:
         shutil.rmtree(st.work, ignore_errors=True)  # downloaded inputs and staging
-    return CheckpointRef(st.store.uri(STAGE), STAGE, metrics["steps"], st.config_hash, metrics)
+    return CheckpointRef(st.store.uri(stage), stage, metrics["steps"], st.config_hash, metrics)
 
 
 if __name__ == "__main__":
-    common.main(STAGE, run)
+    common.main(KIND, run)

@@ -22,7 +22,7 @@ from rlhf_core.jobs import common
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.types import CheckpointRef
 
-STAGE = "sft"
+KIND = "sft"
 
 
 class SFTImpl:
@@ -55,9 +55,9 @@ class SFTImpl:
         pass
 
 
-def run(cfg: PipelineConfig) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     # 1. inputs: model, config hash, finished output
-    st = common.setup_stage(cfg, STAGE)
+    st = common.setup_stage(cfg, stage)
     if st.done is not None:
         return st.done
 
@@ -66,15 +66,15 @@ def run(cfg: PipelineConfig) -> CheckpointRef:
     tokenizer = load_tokenizer(st.model_path, section.model.tokenizer)
     train = sft_examples(section.data, tokenizer, "train", options)
     held_out = sft_examples(section.data, tokenizer, "eval", options) if section.data.eval_path else []
-    common.check_steps(STAGE, section, len(train))
+    common.check_steps(stage, section, len(train))
 
     # 3. train on the Ray group; rank 0 exports and commits
     try:
         metrics = launcher.run_group(section.strategy, SupervisedTrainer, SFTImpl(), st.context(), train, held_out)[0]
     finally:
         shutil.rmtree(st.work, ignore_errors=True)  # downloaded inputs and staging
-    return CheckpointRef(st.store.uri(STAGE), STAGE, metrics["steps"], st.config_hash, metrics)
+    return CheckpointRef(st.store.uri(stage), stage, metrics["steps"], st.config_hash, metrics)
 
 
 if __name__ == "__main__":
-    common.main(STAGE, run)
+    common.main(KIND, run)

@@ -13,6 +13,7 @@ from torch.testing import assert_close
 from rlhf_core.algos.ppo import (
     AdaptiveKLController,
     FixedKLController,
+    apply_missing_eos_penalty,
     approx_kl,
     clip_scores,
     distributed_masked_whiten,
@@ -53,6 +54,34 @@ def test_approx_kl_clamps_to_ten_and_masks_infinite_padding():
     assert_close(k3[0, 2:], torch.tensor([4.00673795, 10.0, 0.0]))
 
 
+def test_approx_kl_k3_clamps_the_log_ratio_before_exp_so_gradients_stay_finite():
+    ref_logprobs = torch.zeros(1, 3)
+    # d = [-100, -1, 15]
+    logprobs = torch.tensor([[-100.0, -1.0, 15.0]], requires_grad=True)
+    k3 = approx_kl(logprobs, ref_logprobs, torch.ones(1, 3), "k3")
+    # d = -100 -> clamped to -10: e^10 - 1 - 10 = 22026.4658 - 11 = 22015.4658 -> final clamp 10
+    # d = -1 (inside): e^1 - 1 - 1 = 0.71828183
+    # d = 15 -> clamped to 10: e^-10 - 1 + 10 = 0.0000454 + 9 = 9.0000454 (no longer 10, the price of the clamp)
+    assert_close(k3.detach(), torch.tensor([[10.0, 0.71828183, 9.0000454]]))
+    k3.sum().backward()
+    # d(e^-d - 1 + d)/dd = 1 - e^-d: at d = -1: 1 - e = -1.71828183; at -100 and 15 a clamp saturates -> 0
+    # (without the first clamp, exp(100) = inf in float32 and the gradient at d = -100 is 0 * -inf = NaN)
+    assert torch.isfinite(logprobs.grad).all()
+    assert_close(logprobs.grad, torch.tensor([[0.0, -1.71828183, 0.0]]))
+
+
+def test_approx_kl_k1_k2_unchanged_at_large_log_ratios():
+    logprobs = torch.tensor([[-100.0, -1.0, 15.0]], requires_grad=True)
+    k1 = approx_kl(logprobs, torch.zeros(1, 3), estimator="k1")
+    k2 = approx_kl(logprobs, torch.zeros(1, 3), estimator="k2")
+    # k1 = d clamped: [-10, -1, 10];  k2 = d^2 / 2 clamped: [5000 -> 10, 0.5, 112.5 -> 10]
+    assert_close(k1.detach(), torch.tensor([[-10.0, -1.0, 10.0]]))
+    assert_close(k2.detach(), torch.tensor([[10.0, 0.5, 10.0]]))
+    (k1 + k2).sum().backward()
+    # inside the clamp: d k1/dd = 1, d k2/dd = d = -1 -> 0 at d = -1; saturated elsewhere -> 0
+    assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, 0.0]]))
+
+
 def test_approx_kl_unknown_estimator():
     with pytest.raises(ValueError, match="'k4'"):
         approx_kl(torch.zeros(1, 2), torch.zeros(1, 2), estimator="k4")
@@ -68,6 +97,15 @@ def test_token_rewards_score_on_each_rows_last_action_token():
     # row 2: no action token at all -> all 0 (the score has nowhere to go)
     expected = torch.tensor([[-0.05, -0.1, 0.85], [-2.2, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert_close(rewards, expected)
+
+
+def test_apply_missing_eos_penalty():
+    scores = torch.tensor([1.0, 0.5, -2.0])
+    truncated = torch.tensor([False, True, True])
+    # rows 1 and 2 had no EOS: 0.5 - 1 = -0.5, -2 - 1 = -3; row 0 unchanged
+    assert_close(apply_missing_eos_penalty(scores, truncated, -1.0), torch.tensor([1.0, -0.5, -3.0]))
+    # None: no penalty at all
+    assert_close(apply_missing_eos_penalty(scores, truncated, None), scores)
 
 
 def test_normalize_and_clip_scores():
@@ -114,6 +152,52 @@ def test_gae_ignores_padding_after_two_tokens():
     #        returns = [1.0 + 1.0, 1.5 + 0.5, 0] = [2.0, 2.0, 0]
     assert_close(advantages, torch.tensor([[0.5, 0.4, 0.3], [1.0, 1.5, 0.0]]))
     assert_close(returns, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+
+
+def _rows_with_holes():
+    # row 0: mask [1, 1, 0, 1], a hole at index 2 holding garbage reward 5 and value 9
+    # row 1: mask [1, 0, 0, 1], a hole of two positions holding garbage
+    rewards = torch.tensor([[0.0, 0.0, 5.0, 1.0], [0.0, 7.0, 7.0, 2.0]])
+    values = torch.tensor([[0.5, 0.6, 9.0, 0.7], [1.0, 8.0, 8.0, 0.5]])
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 1]])
+    return rewards, values, mask
+
+
+def test_gae_skips_holes_in_the_action_mask_gamma_one_lambda_one():
+    advantages, returns = gae(*_rows_with_holes(), gamma=1.0, lam=1.0)
+    # row 0 (the hole is skipped; index 3 is the next action token after index 1):
+    #   delta_3 = 1 + 0 - 0.7 = 0.3;                 A_3 = 0.3
+    #   delta_1 = 0 + V_3 - 0.6 = 0.7 - 0.6 = 0.1;   A_1 = 0.1 + A_3 = 0.4
+    #   delta_0 = 0 + 0.6 - 0.5 = 0.1;               A_0 = 0.1 + 0.4 = 0.5
+    #   returns = A + V = [1.0, 1.0, 0 (hole), 1.0]
+    # row 1: delta_3 = 2 + 0 - 0.5 = 1.5;  A_3 = 1.5
+    #        delta_0 = 0 + V_3 - 1.0 = 0.5 - 1 = -0.5;  A_0 = -0.5 + 1.5 = 1.0;  returns [2.0, 0, 0, 2.0]
+    # (cutting the recursion at the hole would give row 0 delta_1 = 0 + 0 - 0.6, A_1 = -0.6)
+    assert_close(advantages, torch.tensor([[0.5, 0.4, 0.0, 0.3], [1.0, 0.0, 0.0, 1.5]]))
+    assert_close(returns, torch.tensor([[1.0, 1.0, 0.0, 1.0], [2.0, 0.0, 0.0, 2.0]]))
+
+
+def test_gae_skips_holes_in_the_action_mask_discounted():
+    advantages, returns = gae(*_rows_with_holes(), gamma=0.9, lam=0.5)
+    # gamma * lam = 0.45; a hole is not a time step, so it costs no extra discount
+    # row 0: delta_3 = 1 + 0.9 * 0 - 0.7 = 0.3;          A_3 = 0.3
+    #        delta_1 = 0 + 0.9 * 0.7 - 0.6 = 0.03;       A_1 = 0.03 + 0.45 * 0.3 = 0.03 + 0.135 = 0.165
+    #        delta_0 = 0 + 0.9 * 0.6 - 0.5 = 0.04;       A_0 = 0.04 + 0.45 * 0.165 = 0.04 + 0.07425 = 0.11425
+    #        returns = [0.11425 + 0.5, 0.165 + 0.6, 0, 0.3 + 0.7] = [0.61425, 0.765, 0, 1.0]
+    # row 1: delta_3 = 2 + 0 - 0.5 = 1.5;                A_3 = 1.5
+    #        delta_0 = 0 + 0.9 * 0.5 - 1.0 = -0.55;      A_0 = -0.55 + 0.45 * 1.5 = -0.55 + 0.675 = 0.125
+    #        returns = [0.125 + 1.0, 0, 0, 1.5 + 0.5] = [1.125, 0, 0, 2.0]
+    assert_close(advantages, torch.tensor([[0.11425, 0.165, 0.0, 0.3], [0.125, 0.0, 0.0, 1.5]]))
+    assert_close(returns, torch.tensor([[0.61425, 0.765, 0.0, 1.0], [1.125, 0.0, 0.0, 2.0]]))
+
+
+def test_gae_ignores_non_finite_garbage_on_masked_positions():
+    rewards = torch.tensor([[0.0, math.nan, 1.0, 0.0]])
+    values = torch.tensor([[0.5, math.inf, 0.7, -math.inf]])
+    advantages, returns = gae(rewards, values, torch.tensor([[1, 0, 1, 0]]), gamma=1.0, lam=1.0)
+    # delta_2 = 1 + 0 - 0.7 = 0.3, A_2 = 0.3;  delta_0 = 0 + 0.7 - 0.5 = 0.2, A_0 = 0.2 + 0.3 = 0.5
+    assert_close(advantages, torch.tensor([[0.5, 0.0, 0.3, 0.0]]))
+    assert_close(returns, torch.tensor([[1.0, 0.0, 1.0, 0.0]]))
 
 
 def test_gae_has_no_grad():
@@ -219,6 +303,82 @@ def test_policy_loss_gradient_is_zero_on_clipped_tokens():
     # unclipped: d(-ratio * A / 4)/d logp = -ratio * A / 4: token 0: -1.1 * 2 / 4 = -0.55; token 3: 1.5 / 4 = 0.375
     # tokens 1 and 2 clipped -> 0; padding -> 0
     assert_close(pi_logprobs.grad, torch.tensor([[-0.55, 0.0, 0.0, 0.375, 0.0]]))
+
+
+def test_policy_loss_with_num_tokens_divides_the_token_sum():
+    pi_logprobs, pi_old_logprobs, advantages, mask = _policy_inputs()
+    loss, stats = policy_loss(pi_logprobs, pi_old_logprobs, advantages, mask, num_tokens=10)
+    # token sum (see test_policy_loss_by_hand) = -2.2 - 1.2 + 0.8 + 1.5 = -1.1; / 10 = -0.11
+    assert_close(loss, torch.tensor(-0.11))
+    # the stats stay token means over this batch's 4 action tokens
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    assert stats["approx_kl"] == pytest.approx(-0.0532733, abs=1e-6)
+
+
+# Two micro-batches of one row each, 1 and 3 action tokens, joined as a (2, 3) full batch.
+# With pi = pi_old the ratio is 1 (inside the clip range): loss_t = -A_t and d loss_t / d logp_t = -A_t.
+MICRO_ADVANTAGES = torch.tensor([[2.0, 50.0, 50.0], [1.0, -1.0, 4.0]])
+MICRO_MASK = torch.tensor([[1, 0, 0], [1, 1, 1]])
+
+
+def test_policy_loss_equal_per_token_weight_across_micro_batches_of_unequal_length():
+    full_logprobs = torch.zeros(2, 3, requires_grad=True)
+    full, _ = policy_loss(full_logprobs, torch.zeros(2, 3), MICRO_ADVANTAGES, MICRO_MASK)
+    full.backward()
+    # full-batch token mean: -(2 + 1 - 1 + 4) / 4 = -6 / 4 = -1.5; each token's gradient -A_t / 4
+    assert_close(full, torch.tensor(-1.5))
+    assert_close(full_logprobs.grad, torch.tensor([[-0.5, 0.0, 0.0], [-0.25, 0.25, -1.0]]))
+
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    micro = [
+        policy_loss(logprobs[i : i + 1], torch.zeros(1, 3), MICRO_ADVANTAGES[i : i + 1], MICRO_MASK[i : i + 1],
+                    num_tokens=4)[0]
+        for i in range(2)
+    ]  # fmt: skip
+    # micro 0: -2 / 4 = -0.5; micro 1: -(1 - 1 + 4) / 4 = -1.0; sum = -1.5, the full-batch token mean
+    assert_close(micro[0], torch.tensor(-0.5))
+    assert_close(micro[1], torch.tensor(-1.0))
+    (micro[0] + micro[1]).backward()
+    # every token weighs 1/4: gradients -A_t / 4 as for the full batch
+    assert_close(logprobs.grad, full_logprobs.grad)
+
+    mean_logprobs = torch.zeros(2, 3, requires_grad=True)
+    means = [
+        policy_loss(mean_logprobs[i : i + 1], torch.zeros(1, 3), MICRO_ADVANTAGES[i : i + 1], MICRO_MASK[i : i + 1])[0]
+        for i in range(2)
+    ]
+    ((means[0] + means[1]) / 2).backward()
+    # averaging the per-micro token means: (-2 / 1 + -4 / 3) / 2 = (-2 - 1.3333333) / 2 = -1.6666667 != -1.5
+    assert_close((means[0] + means[1]) / 2, torch.tensor(-5.0 / 3.0))
+    # weights 1/2 for the lone token of micro 0 and 1/6 = (1/3) * (1/2) for each token of micro 1:
+    # [-2 / 2, 0, 0] and [-1 / 6, 1 / 6, -4 / 6]
+    assert_close(mean_logprobs.grad, torch.tensor([[-1.0, 0.0, 0.0], [-1.0 / 6.0, 1.0 / 6.0, -4.0 / 6.0]]))
+
+
+def test_value_loss_equal_per_token_weight_across_micro_batches_of_unequal_length():
+    returns = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    start = torch.tensor([[1.0, 9.0, 9.0], [2.0, 0.0, 3.0]])
+    for clip_eps in (None, 0.5):
+        # clip_eps 0.5 with old_values = values: v_clip = v, the clipped and unclipped terms agree
+        full_values = start.clone().requires_grad_(True)
+        full, _ = value_loss(full_values, start, returns, MICRO_MASK, clip_eps=clip_eps)
+        full.backward()
+        # squared errors on action tokens: (1 - 0)^2 = 1; (2 - 1)^2 = 1, (0 - 1)^2 = 1, (3 - 1)^2 = 4
+        # token mean: 0.5 * (1 + 1 + 1 + 4) / 4 = 0.5 * 7 / 4 = 0.875; gradient (v - R) / 4
+        assert_close(full, torch.tensor(0.875))
+        assert_close(full_values.grad, torch.tensor([[0.25, 0.0, 0.0], [0.25, -0.25, 0.5]]))
+
+        values = start.clone().requires_grad_(True)
+        micro = [
+            value_loss(values[i : i + 1], start[i : i + 1], returns[i : i + 1], MICRO_MASK[i : i + 1],
+                       clip_eps=clip_eps, num_tokens=torch.tensor(4.0))[0]
+            for i in range(2)
+        ]  # fmt: skip
+        # micro 0: 0.5 * 1 / 4 = 0.125; micro 1: 0.5 * (1 + 1 + 4) / 4 = 0.75; sum 0.875
+        assert_close(micro[0], torch.tensor(0.125))
+        assert_close(micro[1], torch.tensor(0.75))
+        (micro[0] + micro[1]).backward()
+        assert_close(values.grad, full_values.grad)
 
 
 def test_policy_loss_clamps_log_ratio():

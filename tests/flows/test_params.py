@@ -9,7 +9,7 @@ from rlhf_core.config import ConfigError
 
 def test_preset_and_run_uri_resolve(tmp_path):
     cfg, run_uri = resolve(PipelineParams(preset="tiny", run_name="x", run_uri=str(tmp_path)))
-    assert run_uri == str(tmp_path) and cfg.run_uri == str(tmp_path) and cfg.ppo is not None
+    assert run_uri == str(tmp_path) and cfg.run_uri == str(tmp_path) and cfg.kind("ppo") == "ppo"
     _, default_uri = resolve(PipelineParams(preset="tiny", run_name="nightly-1"))
     assert default_uri.endswith("runs/nightly-1")
 
