@@ -510,7 +510,7 @@ def validate(cfg: PipelineConfig) -> None:
             _validate_ppo(name, spec.section)
         for key, upstream in spec.upstream():
             if upstream not in cfg.stages:
-                close = difflib.get_close_matches(upstream, cfg.stages, n=1)
+                close = difflib.get_close_matches(upstream, [n for n in cfg.stages if n != name], n=1)
                 hint = f"did you mean 'stage:{close[0]}'?" if close else f"stages: {', '.join(cfg.stages)}"
                 raise ConfigError(f"'{key}' = stage:{upstream} names no stage of this config; {hint}")
     topological_order(cfg)  # refuses cycles

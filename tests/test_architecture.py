@@ -45,3 +45,47 @@ def test_upper_layers_only_point_down():
             if ours - ok:
                 offenders.append(f"{path.relative_to(ROOT)} imports {sorted(ours - ok)}")
     assert not offenders, offenders
+
+
+REMOTE_CALLS = {"call", "call_async", "call_each", "call_each_async", "collective_rpc"}
+
+
+def test_no_remote_call_by_method_name_string():
+    """Role methods are called through the role's own method objects (a grep finds the callers, a wrong signature
+    fails at once), never by a method name in a string."""
+    offenders = []
+    for layer in ("rlhf_core", "tasks", "flows"):
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+                    continue
+                first = node.args[0]
+                if node.func.attr in REMOTE_CALLS and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}({first.value!r})")
+                if isinstance(node.func, ast.Attribute) and node.func.attr == "remote" and _is_getattr(node.func.value):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} getattr(...).remote")
+    launcher = ast.parse((ROOT / "rlhf_core" / "distributed" / "launcher.py").read_text())
+    offenders += [f"launcher.py:{n.lineno} getattr dispatch" for n in ast.walk(launcher) if _is_getattr(n)]
+    assert not offenders, offenders
+
+
+def _is_getattr(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+
+
+def test_flows_import_nothing_from_the_jobs():
+    offenders = []
+    for path in sorted((ROOT / "flows").rglob("*.py")):
+        for name in imported_modules(path):
+            if name == "rlhf_core.jobs" or name.startswith("rlhf_core.jobs."):
+                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, offenders
+
+
+def test_task_progress_comes_from_job_events_not_log_text():
+    """The task layer reads no log text for meaning: no regular expressions, and the launcher follows the events
+    file (tests/test_launch_events.py shows the behaviour)."""
+    for path in sorted((ROOT / "tasks").rglob("*.py")):
+        assert "re" not in {n.split(".")[0] for n in imported_modules(path)}, f"{path} parses text with re"
+    launch = (ROOT / "tasks" / "_launch.py").read_text()
+    assert "read_new" in launch and "EVENTS_ENV" in launch

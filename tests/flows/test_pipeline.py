@@ -178,3 +178,30 @@ def test_a_task_retry_resumes_ppo_from_its_checkpoint(failed_then_resumed, tmp_p
     assert states(summary)["ppo"] == "Completed"
     assert launches(run_dir).count("ppo") == 2  # the failed attempt and its retry
     assert [r for r in summary["stages"] if r["stage"] == "ppo"][0]["metrics"]["resumed_from_step"] == 2
+
+
+def test_two_instances_of_one_kind_are_two_cached_tasks(prefect_server, tmp_path):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from rlhf_core.storage import ObjectStore
+
+    run_dir = tmp_path / "run"
+    params = PipelineParams(preset="sft_chain", run_name="chain", run_uri=str(run_dir))
+    state = rlhf_pipeline(params, return_state=True)
+    first = state.result()
+    assert states(first) == {"sft_a": "Completed", "sft_b": "Completed"}
+    assert launches(run_dir) == ["sft_a", "sft_b"]
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    assert sorted(r.name for r in runs) == ["sft_a", "sft_b"]  # one task run per instance, named after it
+    store = ObjectStore(str(run_dir))
+    assert store.read_manifest("sft_b").extra["upstream"] == {"sft_a": store.read_manifest("sft_a").config_hash}
+
+    assert states(rlhf_pipeline(params)) == {"sft_a": "Cached", "sft_b": "Cached"}
+    assert launches(run_dir) == ["sft_a", "sft_b"]
+
+    changed = rlhf_pipeline(params.model_copy(update={"overrides": ["sft_b.optim.lr=5e-4"]}))
+    assert states(changed) == {"sft_a": "Cached", "sft_b": "Completed"}
+    assert launches(run_dir) == ["sft_a", "sft_b", "sft_b"]

@@ -7,12 +7,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from rlhf_core.config import ConfigError
 from rlhf_core.jobs import critic_init, reward_model, sft
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.storage import ObjectStore
 from tests.jobs.conftest import RM_2W, SFT_2W, cfg_for, weights
 
 pytestmark = pytest.mark.slow
+
 
 def initial_weights():
     tok = load_tokenizer("builtin:tiny")
@@ -60,6 +62,11 @@ def test_sft_resumes_from_checkpoint_and_matches_uninterrupted_run(tmp_path, ray
     assert not store.is_complete("sft")
     assert store.is_complete("sft/checkpoints/step_00000008")
     monkeypatch.delenv("RLHF_FAIL_AFTER_STEP")
+    # Its ZeRO shards were written by 2 ranks: a rerun on 1 is refused before any worker starts, naming the key.
+    with pytest.raises(ConfigError, match=r"'sft.strategy.num_workers' = 1, but the checkpoint .*step_00000008.* "
+                                          r"was written by 2 ranks: set sft.strategy.num_workers=2"):  # fmt: skip
+        sft.run(cfg_for(tmp_path, *SFT_2W, "sft.strategy.num_workers=1"))
+    assert store.is_complete("sft/checkpoints/step_00000008")
 
     ref = sft.run(cfg)
     assert ref.metrics["resumed_from_step"] == 8
