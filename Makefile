@@ -7,7 +7,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # One place for DeepSpeed's compiled ops (CPU Adam, shared-memory comm) so tests and CI pay the build once.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo lint format test test-fast clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,9 +15,19 @@ setup:
 demo: setup
 	.venv/bin/rlhf run demo $(ARGS)
 
+# ruff: formatting and the rule set in pyproject.toml ([tool.ruff]); `make format` applies both.
+lint: setup
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
+
+format: setup
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
+
 test: setup
 	$(PY) -m pytest tests -q $(ARGS)
 
+# Under 3 minutes: math, config, data, storage (real S3 server), stage graph, launcher, architecture; no Ray jobs.
 test-fast: setup
 	$(PY) -m pytest tests -q -m "not slow" $(ARGS)
 

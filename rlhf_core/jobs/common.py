@@ -93,7 +93,7 @@ def upstream_hash(store: ObjectStore, path: str, key: str) -> dict[str, str]:
         raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
 
 
-def resolve_model(store: ObjectStore, path: str, key: str, dest: str) -> str:
+def resolve_model(store: ObjectStore, path: str, key: str, dest: str, trust_remote_code: bool = False) -> str:
     """A loadable model path for ``path``: ``stage:<name>`` is copied to ``dest`` from its committed output, each
     file checked against the manifest; other paths are checked to be a model before any worker starts."""
     if path.startswith(STAGE_PREFIX):
@@ -103,7 +103,7 @@ def resolve_model(store: ObjectStore, path: str, key: str, dest: str) -> str:
         except ArtifactError as e:
             raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
         return str(Path(dest) / name)
-    check_model_source(path, key)
+    check_model_source(path, key, trust_remote_code=trust_remote_code)
     return path
 
 
@@ -145,7 +145,7 @@ class StageSetup:
         return StageContext(
             stage=self.stage, run_uri=self.store.root_uri, storage_options=self.store.fs.storage_options,
             config_hash=self.config_hash, model_path=self.model_path, tokenizer_path=s.model.tokenizer,
-            init_seed=s.model.init_seed, strategy=s.strategy, optim=s.optim, train=s.train, work_dir=self.work,
+            init_seed=s.model.init_seed, trust_remote_code=s.model.trust_remote_code, strategy=s.strategy, optim=s.optim, train=s.train, work_dir=self.work,
             fail_after_step=fail_after_step(), upstream=self.upstream,
         )  # fmt: skip
 
@@ -173,7 +173,9 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     fetched: dict[str, str] = {}
     for role, model in models.items():
         if model.name_or_path not in fetched:
-            fetched[model.name_or_path] = resolve_model(store, model.name_or_path, keys[role], work)
+            fetched[model.name_or_path] = resolve_model(
+                store, model.name_or_path, keys[role], work, model.trust_remote_code
+            )
     paths = {role: fetched[model.name_or_path] for role, model in models.items()}
     return StageSetup(stage, section, store, work, paths, upstream, config_hash, None)
 

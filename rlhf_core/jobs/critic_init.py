@@ -32,17 +32,18 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
         return st.done
     section, store, work, rm_path = st.section, st.store, st.work, st.model_path
     key = f"{stage}.model.name_or_path"
-    rm_config = AutoConfig.from_pretrained(rm_path)
+    trust = section.model.trust_remote_code
+    rm_config = AutoConfig.from_pretrained(rm_path, trust_remote_code=trust)
     if not any("ForSequenceClassification" in a for a in rm_config.architectures or []) or rm_config.num_labels != 1:
         raise ConfigError(f"'{key}' = {section.model.name_or_path} is not a reward model (one-output classifier)")
 
     # 2. copy: load and save the same weights, nothing re-initialised
-    critic = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32)
+    critic = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32, trust_remote_code=trust)
     critic.config.critic_initialised_from = section.model.name_or_path
     out = Path(work) / "export"
     shutil.rmtree(out, ignore_errors=True)
     critic.save_pretrained(str(out), safe_serialization=True)
-    load_tokenizer(rm_path).save_pretrained(str(out))
+    load_tokenizer(rm_path, section.model.tokenizer, trust_remote_code=trust).save_pretrained(str(out))
     metrics = {
         "parameters": sum(p.numel() for p in critic.parameters()),
         "reward_mean": getattr(rm_config, "reward_mean", None),

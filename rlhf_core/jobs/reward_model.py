@@ -31,7 +31,10 @@ class RewardModelImpl:
         self.margin = margin
 
     def build_model(self, ctx: StageContext, tokenizer, dtype: torch.dtype, attn: str) -> torch.nn.Module:
-        return ScalarHeadModel(build_scalar_model(ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn))
+        hf = build_scalar_model(
+            ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn, trust_remote_code=ctx.trust_remote_code
+        )
+        return ScalarHeadModel(hf)
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """Chosen rows first, then rejected rows, in one (2B, T) batch."""
@@ -78,7 +81,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
 
     # 2. data, tokenized and checked before any worker starts
     section, options = st.section, st.store.fs.storage_options
-    tokenizer = load_tokenizer(st.model_path, section.model.tokenizer)
+    tokenizer = load_tokenizer(st.model_path, section.model.tokenizer, trust_remote_code=section.model.trust_remote_code)
     train = preference_examples(section.data, tokenizer, "train", options)
     held_out = preference_examples(section.data, tokenizer, "eval", options)
     common.check_steps(stage, section, len(train))
