@@ -242,18 +242,29 @@ class StageKind:
     section: type
     job: str  # python -m <job> --config FILE --stage NAME
     description: str
+    # Keys of the (shared) section classes that this kind has no use for, relative to the section: left out of the
+    # documentation and refused when a preset or an override sets them, so that no key is silently ignored.
+    unused: frozenset[str] = frozenset()
 
+
+_PREFERENCE_KEYS = ("data.prompt_key", "data.chosen_key", "data.rejected_key")
+_PROMPT_ONLY = frozenset(("data.output_key", *_PREFERENCE_KEYS))
+_ACTOR_OPTIM = tuple(f"actor_optim.{f.name}" for f in dataclasses.fields(OptimConfig))
 
 STAGE_KINDS: dict[str, StageKind] = {
     k.name: k
     for k in (
-        StageKind("sft", SFTConfig, "rlhf_core.jobs.sft", "Supervised fine-tuning of a causal LM."),
-        StageKind("reward_model", RewardModelConfig, "rlhf_core.jobs.reward_model", "Reward model on preference pairs."),
-        StageKind("critic_init", CriticInitConfig, "rlhf_core.jobs.critic_init", "Critic = copy of a reward model."),
-        StageKind("critic_warmup", PPOConfig, "rlhf_core.jobs.critic_warmup", "PPO loop with the actor frozen."),
-        StageKind("ppo", PPOConfig, "rlhf_core.jobs.ppo", "Ray-distributed PPO."),
+        StageKind("sft", SFTConfig, "rlhf_core.jobs.sft", "Supervised fine-tuning of a causal LM.",
+                  frozenset(_PREFERENCE_KEYS)),
+        StageKind("reward_model", RewardModelConfig, "rlhf_core.jobs.reward_model", "Reward model on preference pairs.",
+                  frozenset(("data.input_key", "data.output_key"))),
+        StageKind("critic_init", CriticInitConfig, "rlhf_core.jobs.critic_init", "Critic = copy of a reward model.",
+                  frozenset(("model.init_seed",))),
+        StageKind("critic_warmup", PPOConfig, "rlhf_core.jobs.critic_warmup", "PPO loop with the actor frozen.",
+                  _PROMPT_ONLY | {"train.freeze_actor_steps", "train.save_critic", *_ACTOR_OPTIM}),
+        StageKind("ppo", PPOConfig, "rlhf_core.jobs.ppo", "Ray-distributed PPO.", _PROMPT_ONLY),
     )
-}
+}  # fmt: skip
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 STAGE_PREFIX = "stage:"
 
@@ -382,6 +393,7 @@ def _build_stage(name: str, entry: Any) -> StageSpec:
         raise ConfigError(f"invalid stage name '{name}': use lowercase letters, digits and _ (it names a folder)")
     entry = dict(entry)
     kind = entry.pop("kind", name if name in STAGE_KINDS else None)
+    kind_spec = STAGE_KINDS.get(kind)
     if kind not in STAGE_KINDS:
         close = difflib.get_close_matches(str(kind), STAGE_KINDS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -389,7 +401,13 @@ def _build_stage(name: str, entry: Any) -> StageSpec:
         raise ConfigError(
             f"stage '{name}' has {what}: set '{name}.kind' to one of {', '.join(STAGE_KINDS)}{hint}"
         )
-    return StageSpec(name, kind, _build(STAGE_KINDS[kind].section, entry, name))
+    for key in sorted(kind_spec.unused):
+        node: Any = entry
+        for part in key.split("."):
+            node = node.get(part, MISSING) if isinstance(node, dict) else MISSING
+        if node is not MISSING:
+            raise ConfigError(f"'{name}.{key}' does not apply to a {kind} stage: remove it")
+    return StageSpec(name, kind, _build(kind_spec.section, entry, name))
 
 
 def _unalias(node: Any) -> Any:
@@ -615,11 +633,23 @@ def to_dict(cfg: Any, redact: bool = True) -> dict:
     if not isinstance(cfg, PipelineConfig):
         return dataclasses.asdict(cfg)
     out = {"run_uri": cfg.run_uri, "storage": dataclasses.asdict(cfg.storage)}
-    out["stages"] = {name: {"kind": s.kind, **dataclasses.asdict(s.section)} for name, s in cfg.stages.items()}
+    out["stages"] = {name: {"kind": s.kind, **_section_dict(s)} for name, s in cfg.stages.items()}
     if redact:
         for k in _SECRETS:
             if out["storage"].get(k):
                 out["storage"][k] = "***"
+    return out
+
+
+def _section_dict(spec: StageSpec) -> dict:
+    """The section as a dict, without the keys its kind does not use (a reload would refuse them)."""
+    out = dataclasses.asdict(spec.section)
+    for key in STAGE_KINDS[spec.kind].unused:
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node.pop(leaf, None)
     return out
 
 
@@ -649,7 +679,8 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
         if cls is PipelineConfig and f.name == "stages":
             for kind in STAGE_KINDS.values():
                 rows.append((f"{kind.name}.kind", repr(kind.name), f"Stage kind: {kind.description}"))
-                rows += describe(kind.section, kind.name)
+                unused = {f"{kind.name}.{k}" for k in kind.unused}
+                rows += [row for row in describe(kind.section, kind.name) if row[0] not in unused]
             continue
         tp = hints[f.name]
         inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]

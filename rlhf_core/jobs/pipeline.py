@@ -11,25 +11,22 @@ was interrupted resumes from its newest complete checkpoint. (The Prefect flow c
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from typing import Callable
 
-from rlhf_core.config import ConfigError, PipelineConfig, load_config
+from rlhf_core.config import STAGE_KINDS, ConfigError, PipelineConfig, load_config
 from rlhf_core.data.loading import DataError
-from rlhf_core.jobs import critic_init, critic_warmup, ppo, reward_model, sft
 from rlhf_core.models.builders import ModelPathError
 from rlhf_core.storage import ArtifactError
 from rlhf_core.types import CheckpointRef
 
-# stage kind -> run(cfg, stage_name): one entry per kind in rlhf_core.config.STAGE_KINDS
-RUNNERS: dict[str, Callable[[PipelineConfig, str], CheckpointRef]] = {
-    "sft": sft.run,
-    "reward_model": reward_model.run,
-    "critic_init": critic_init.run,
-    "critic_warmup": critic_warmup.run,
-    "ppo": ppo.run,
-}
+def runner(kind: str) -> Callable[[PipelineConfig, str], CheckpointRef]:
+    """The ``run(cfg, stage_name)`` of a stage kind's job module (``STAGE_KINDS[kind].job``)."""
+    return importlib.import_module(STAGE_KINDS[kind].job).run
+
+
 SHOWN = (
     "loss_start", "loss_end", "eval_loss", "eval_accuracy", "reward_mean", "reward_std", "steps", "critic_loss",
     "gold_reward_before", "gold_reward_after", "rm_score_before", "rm_score_after", "kl_to_ref_after",
@@ -46,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         results = []
         for name in cfg.order():
             started = time.time()
-            ref = RUNNERS[cfg.kind(name)](cfg, name)
+            ref = runner(cfg.kind(name))(cfg, name)
             results.append((name, ref, time.time() - started))
     except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
         print(f"error: {e}", file=sys.stderr)
