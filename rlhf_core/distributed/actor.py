@@ -3,43 +3,54 @@ to the rollout engines (gathering ZeRO-3 partitions one parameter at a time)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.losses import token_logprobs
 from rlhf_core.algos.ppo import distributed_masked_whiten, policy_loss
-from rlhf_core.distributed.role_base import TrainableRole
+from rlhf_core.distributed.role_base import TrainableRole, logprob_temperature
 from rlhf_core.models.builders import build_causal_lm
 
 
-def _logprobs(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return token_logprobs(logits, batch["input_ids"])
+def _logprobs(model: Any, batch: SequenceBatch, temperature: float) -> torch.Tensor:
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return token_logprobs(logits, batch.input_ids, logprob_temperature(temperature))
 
 
 class PolicyActor(TrainableRole):
-    """One rank of the actor group."""
+    """One rank of the actor group. Its log-probs (old ones and in the loss) are those of the rollout distribution:
+    logits divided by the rollout temperature."""
 
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module:
-        return build_causal_lm(self.ctx.model_path, tokenizer, seed=self.ctx.init_seed, dtype=dtype, attn=attn)
+        c = self.ctx
+        return build_causal_lm(
+            c.model_path, tokenizer, seed=c.init_seed, dtype=dtype, attn=attn, trust_remote_code=c.trust_remote_code
+        )
 
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(N, T-1) log-probs of this rank's shard under the current policy."""
-        return self.forward_batches(batch, _logprobs)
+    def logprobs(self, batch: SequenceBatch, temperature: float | None = None) -> torch.Tensor:
+        """(N, T-1) log-probs of this rank's shard under the current policy, at the rollout temperature (or at
+        ``temperature``, e.g. 1.0 for the raw logits)."""
+        t = self.ctx.temperature if temperature is None else temperature
+        return self.forward_batches(batch, lambda model, micro: _logprobs(model, micro, t))
 
-    def fit(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+    def fit(self, exp: Experience, step: int) -> dict[str, float]:
         """PPO epochs on this rank's shard; advantages are whitened over the whole batch across all actor ranks."""
+        assert exp.advantages is not None, "the actor trains on experience with advantages"
         if self.ctx.algo.whiten_advantages:
-            batch = dict(batch, advantages=distributed_masked_whiten(batch["advantages"], batch["action_mask"]))
-        eps = self.ctx.algo.eps_clip
+            exp = exp.with_advantages(distributed_masked_whiten(exp.advantages, exp.action_mask), exp.returns)
+        eps, temperature = self.ctx.algo.eps_clip, self.ctx.temperature
 
-        def loss_fn(model: Any, micro: dict) -> tuple[torch.Tensor, dict]:
-            logp = _logprobs(model, micro)
-            return policy_loss(logp, micro["old_logprobs"], micro["advantages"], micro["action_mask"], eps)
+        def loss_fn(model: Any, micro: Experience, num_tokens: float) -> tuple[torch.Tensor, dict]:
+            logp = _logprobs(model, micro, temperature)
+            return policy_loss(
+                logp, micro.old_logprobs, micro.advantages, micro.action_mask, eps, num_tokens=num_tokens
+            )
 
-        stats = self.train_epochs(batch, step, loss_fn)
+        stats = self.train_epochs(exp, step, loss_fn)
         return {"policy_loss" if k == "loss" else k: v for k, v in stats.items()}
 
     # -- weight push to the rollout engines ---------------------------------------------------------------------------

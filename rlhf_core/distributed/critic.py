@@ -8,31 +8,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlhf_core.algos.ppo import value_loss
+from rlhf_core.algos.experience import Experience, SequenceBatch
+from rlhf_core.algos.ppo import normalize_scores, value_loss
 from rlhf_core.distributed.role_base import TrainableRole
 from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model
 
 
-def _values(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(N, T-1): the value of the state after token t, aligned with the log-prob of token t+1."""
-    return model(batch["input_ids"], batch["attention_mask"])[:, :-1]
+def _values(model: Any, batch: SequenceBatch, reward_stats: tuple[float, float] | None) -> torch.Tensor:
+    """(N, T-1): the value of the state after token t, aligned with the log-prob of token t+1. With reward
+    normalisation on, (raw head - reward_mean) / reward_std, the scale of the normalised rewards (as OpenRLHF's
+    critic does), in training and at rollout alike."""
+    values = model(batch.input_ids, batch.attention_mask)[:, :-1]
+    return values if reward_stats is None else normalize_scores(values, *reward_stats)
 
 
 class CriticActor(TrainableRole):
     """One rank of the critic group."""
 
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module:
-        hf = build_scalar_model(self.ctx.model_path, tokenizer, seed=self.ctx.init_seed, dtype=dtype, attn=attn)
+        c = self.ctx
+        hf = build_scalar_model(
+            c.model_path, tokenizer, seed=c.init_seed, dtype=dtype, attn=attn, trust_remote_code=c.trust_remote_code
+        )
         return ScalarHeadModel(hf)
 
-    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.forward_batches(batch, _values)
+    def values(self, batch: SequenceBatch) -> torch.Tensor:
+        return self.forward_batches(batch, lambda model, micro: _values(model, micro, self.ctx.reward_stats))
 
-    def fit(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
-        clip = self.ctx.algo.value_clip
+    def fit(self, exp: Experience, step: int) -> dict[str, float]:
+        assert exp.returns is not None, "the critic trains on experience with returns"
+        clip, stats = self.ctx.algo.value_clip, self.ctx.reward_stats
 
-        def loss_fn(model: Any, micro: dict) -> tuple[torch.Tensor, dict]:
-            return value_loss(_values(model, micro), micro["old_values"], micro["returns"], micro["action_mask"], clip)
+        def loss_fn(model: Any, micro: Experience, num_tokens: float) -> tuple[torch.Tensor, dict]:
+            values = _values(model, micro, stats)
+            return value_loss(values, micro.values, micro.returns, micro.action_mask, clip, num_tokens=num_tokens)
 
-        stats = self.train_epochs(batch, step, loss_fn)
-        return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in stats.items()}
+        stats_out = self.train_epochs(exp, step, loss_fn)
+        return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in stats_out.items()}

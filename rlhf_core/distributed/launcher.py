@@ -4,15 +4,31 @@ A plain Python object (the trainer of a stage) lives inside a thin Ray shell. Ra
 its address and a free port; every actor then gets ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/
 ``LOCAL_RANK`` and an explicit thread count before torch is touched, so several workers on a small machine do not
 oversubscribe its cores. Ray is imported here and in the other ``rlhf_core.distributed`` modules only.
+
+Calls are typed: the driver passes the hosted class's method object (``group.call(PolicyActor.export, ...)``), never
+a method name; the shell runs ``method(obj, *args, **kwargs)``. The driver checks the method and the arguments
+against the class before anything is sent (``check_call``), so each role stays a plain class that also runs
+without Ray.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
+from rlhf_core import events
 from rlhf_core.config import StrategyConfig
+
+if TYPE_CHECKING:  # annotations only: Ref[R] is the ObjectRef of a remote call returning R
+    from ray import ObjectRef as Ref
+
+T = TypeVar("T")
+S = TypeVar("S")
+R = TypeVar("R")
+P = ParamSpec("P")
 
 
 def resolve_device(requested: str) -> str:
@@ -67,32 +83,81 @@ class _Shell:
     def set_env(self, env: dict[str, str]) -> None:
         os.environ.update(env)
 
-    def construct(self, factory: Callable[..., Any], *args: Any) -> None:
-        self.obj = factory(*args)
+    def construct(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        self.obj = factory(*args, **kwargs)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.obj, method)(*args, **kwargs)
+    def call(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # The method object itself (checked on the driver to belong to the hosted class): no name lookup.
+        return method(self.obj, *args, **kwargs)
 
 
-class RayWorkerGroup:
-    """``num_workers`` Ray actors hosting ``factory(*args)`` each, forming one torch.distributed world.
+def check_constructor(factory: type, args: tuple, kwargs: dict) -> None:
+    """Raise TypeError at once when ``factory(*args, **kwargs)`` cannot bind (before any worker starts)."""
+    if not isinstance(factory, type):
+        raise TypeError(f"a worker group hosts instances of a class, got {factory!r}")
+    try:
+        inspect.signature(factory).bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{factory.__qualname__}{_signature(factory)}: {e}") from None
+
+
+def check_call(cls: type, method: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Raise TypeError at once when ``method`` is not a method of ``cls`` (the class the group hosts, its own or
+    inherited, as ``cls.<name>`` resolves) or when ``(self, *args, **kwargs)`` does not bind to its signature."""
+    if not inspect.isfunction(method):
+        raise TypeError(
+            f"pass a method of {cls.__qualname__} as the function object (e.g. {cls.__qualname__}.fit), not {method!r}"
+        )
+    name = method.__name__
+    # What ``cls.<name>`` resolves to, along the MRO, without invoking descriptors.
+    own = next((vars(klass)[name] for klass in cls.__mro__ if name in vars(klass)), None)
+    if isinstance(own, (staticmethod, classmethod)) or own is not method:
+        where = f"; {cls.__qualname__}.{name} is another function" if own is not None else ""
+        raise TypeError(
+            f"{method.__qualname__} is not a method of {cls.__qualname__}, the class this group hosts{where}"
+        )
+    try:
+        inspect.signature(method).bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{method.__qualname__}{_signature(method)}: {e}") from None
+
+
+def _signature(fn: Callable[..., Any]) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+class RayWorkerGroup(Generic[T]):
+    """``num_workers`` Ray actors hosting ``factory(*args, **kwargs)`` each (``factory`` a plain class), forming one
+    torch.distributed world.
+
+    Calls name the hosted class's own method objects, e.g. ``group.call(PolicyActor.export, rel, ...)`` or
+    ``group.call_each_async(PolicyActor.logprobs, shards)``: a type checker sees the method's signature
+    (``ParamSpec``/``Concatenate``), and the driver checks that the method belongs to the class and that the
+    arguments bind before anything is sent (a TypeError at once, not a remote error later).
 
     With ``placement`` (a placement group from ``colocation_group``) worker i is pinned to bundle i and takes
     ``share`` of that bundle's device, so that several roles share devices (OpenRLHF's colocation).
     """
 
     def __init__(
-        self, cfg: StrategyConfig, factory: Callable[..., Any], *args: Any, name: str = "worker",
-        placement: Any = None, share: float = 1.0,
+        self, cfg: StrategyConfig, factory: type[T], *args: Any, name: str = "worker", placement: Any = None,
+        share: float = 1.0, **kwargs: Any,
     ):  # fmt: skip
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        check_constructor(factory, args, kwargs)
+        self.cls: type[T] = factory
         device = resolve_device(cfg.device)
         gpus = share if device == "cuda" else 0
         remote_shell = ray.remote(_Shell)
         base_env = {"RLHF_DEVICE": device, "TOKENIZERS_PARALLELISM": "false"}
-        self.actors = []
+        if events.events_path() is not None:  # rank-0 workers append their own step events
+            base_env[events.EVENTS_ENV] = events.events_path()
+        self.actors: list[Any] = []
         for rank in range(cfg.num_workers):
             options: dict[str, Any] = {"num_cpus": cfg.cpus_per_worker, "num_gpus": gpus}
             if placement is not None:
@@ -115,27 +180,38 @@ class RayWorkerGroup:
                 for rank, actor in enumerate(self.actors)
             ]
         )
-        ray.get([actor.construct.remote(factory, *args) for actor in self.actors])
+        ray.get([actor.construct.remote(factory, args, kwargs) for actor in self.actors])
         self.name = name
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run ``method`` on every rank at once (collectives need all ranks) and return the results in rank order."""
         import ray
 
         return ray.get(self.call_async(method, *args, **kwargs))
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [actor.call.remote(method, *args, **kwargs) for actor in self.actors]
+    def call_async(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[Ref[R]]:
+        check_call(self.cls, method, args, kwargs)
+        return [actor.call.remote(method, args, kwargs) for actor in self.actors]
 
-    def call_each_async(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
-        """``method(shards[rank], *args)`` on each rank; returns the ObjectRefs."""
-        assert len(shards) == len(self.actors), f"{len(shards)} shards for {len(self.actors)} workers"
-        return [actor.call.remote(method, shard, *args) for actor, shard in zip(self.actors, shards)]
+    def call_each_async(
+        self, method: Callable[Concatenate[T, S, P], R], shards: Sequence[S], *args: P.args, **kwargs: P.kwargs
+    ) -> list[Ref[R]]:
+        """``method(shards[rank], *args, **kwargs)`` on each rank; returns the ObjectRefs."""
+        if len(shards) != len(self.actors):
+            raise ValueError(f"{len(shards)} shards for the {len(self.actors)} workers of {self.cls.__qualname__}")
+        if shards:
+            check_call(self.cls, method, (shards[0], *args), kwargs)
+        return [actor.call.remote(method, (shard, *args), kwargs) for actor, shard in zip(self.actors, shards)]
 
-    def call_each(self, method: str, shards: list[Any], *args: Any) -> list[Any]:
+    def call_each(
+        self, method: Callable[Concatenate[T, S, P], R], shards: Sequence[S], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
         import ray
 
-        return ray.get(self.call_each_async(method, shards, *args))
+        return ray.get(self.call_each_async(method, shards, *args, **kwargs))
 
     def shutdown(self) -> None:
         import ray
@@ -156,15 +232,25 @@ def colocation_group(bundles: int, cpus_per_bundle: float, device: str) -> Any:
     return group
 
 
-def run_group(cfg: StrategyConfig, factory: Callable[..., Any], *args: Any) -> list[Any]:
+class Fits(Protocol):
+    """A class whose instances train with ``fit()`` (e.g. ``SupervisedTrainer``)."""
+
+    def fit(self) -> Any: ...
+
+
+F = TypeVar("F", bound=Fits)
+
+
+def run_group(cfg: StrategyConfig, factory: type[F], *args: Any) -> list[Any]:
     """Start Ray if needed, run ``factory(*args).fit()`` on ``cfg.num_workers`` ranks, and clean up after."""
     import ray
 
+    check_constructor(factory, args, {})
     started = init_ray(min_cpus=cfg.num_workers * cfg.cpus_per_worker)
     group = None
     try:
         group = RayWorkerGroup(cfg, factory, *args)
-        return group.call("fit")
+        return group.call(factory.fit)
     finally:
         if group is not None:
             group.shutdown()
@@ -172,7 +258,7 @@ def run_group(cfg: StrategyConfig, factory: Callable[..., Any], *args: Any) -> l
             ray.shutdown()
 
 
-def wait(refs: list[Any]) -> list[Any]:
+def wait(refs: list[Ref[R]]) -> list[R]:
     """Results of Ray ObjectRefs, in order (the controller never imports Ray itself)."""
     import ray
 

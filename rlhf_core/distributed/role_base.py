@@ -3,19 +3,24 @@ checkpoint shards and export. Each role file adds its model and its loss."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from rlhf_core.algos.batching import select_rows, split_batch
+from rlhf_core.algos.experience import SequenceBatch
+from rlhf_core.algos.losses import window_loss_scale
 from rlhf_core.config import OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
 from rlhf_core.distributed.trainer import export_hf, load_engine_shards, save_engine_shards
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
 from rlhf_core.storage import ObjectStore
+
+B = TypeVar("B", bound=SequenceBatch)
 
 
 @dataclass
@@ -26,7 +31,7 @@ class RoleContext:
     role: str
     model_path: str
     tokenizer_path: str | None
-    init_seed: int
+    init_seed: int  # <stage>.<role>.init_seed: builtin: models and fresh value heads
     strategy: StrategyConfig
     optim: OptimConfig
     batch: TrainConfig  # train_batch_size / micro_train_batch_size of the role's optimizer steps
@@ -37,6 +42,19 @@ class RoleContext:
     run_uri: str
     storage_options: dict
     work_dir: str
+    temperature: float = 1.0  # rollout temperature: log-probs are those of the distribution the engines sampled
+    trust_remote_code: bool = False  # <stage>.<role>.trust_remote_code
+    reward_stats: tuple[float, float] | None = None  # (mean, std) of the reward model when normalize_reward is on
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature the log-probs divide by: greedy sampling (T <= 0) has no distribution, so T = 1 there."""
+    return temperature if temperature > 0 else 1.0
+
+
+def to_device(batch: B, device: Any) -> B:
+    """``batch`` with every tensor on ``device`` (a no-op copy-free replace when already there)."""
+    return dataclasses.replace(batch, **{k: v.to(device) for k, v in batch.tensors().items()})
 
 
 class TrainableRole:
@@ -55,40 +73,73 @@ class TrainableRole:
         torch.manual_seed(ctx.seed)
         self.store = ObjectStore(ctx.run_uri, ctx.storage_options)
         self.work = Path(ctx.work_dir) / f"{ctx.role}{self.strategy.rank}"
-        self.tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path)
+        self.tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, self.strategy.device)
         model = self.build_model(self.tokenizer, self.strategy.dtype, attn)
         self.engine = self.strategy.prepare(model, max(1, ctx.total_optimizer_steps))
         return self.strategy.rank
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.engine.module.parameters()).device
+
     @torch.no_grad()
-    def forward_batches(self, batch: dict[str, torch.Tensor], fn: Callable[[Any, dict], torch.Tensor]) -> torch.Tensor:
+    def forward_batches(self, batch: SequenceBatch, fn: Callable[[Any, SequenceBatch], torch.Tensor]) -> torch.Tensor:
         """``fn(engine, micro_batch)`` over micro-batches of the rollout batch size, concatenated (eval mode)."""
         self.engine.eval()
-        outputs = [fn(self.engine, micro).float().cpu() for micro in split_batch(batch, self.ctx.micro_rollout_batch_size)]
+        outputs = [
+            fn(self.engine, to_device(micro, self.device)).float().cpu()
+            for micro in batch.split(self.ctx.micro_rollout_batch_size)
+        ]
         self.engine.train()
         return torch.cat(outputs)
 
     def train_epochs(
-        self, batch: dict[str, torch.Tensor], step: int, loss_fn: Callable[[Any, dict], tuple[torch.Tensor, dict]]
+        self, batch: B, step: int, loss_fn: Callable[[Any, B, float], tuple[torch.Tensor, dict]]
     ) -> dict[str, float]:
         """PPO epochs over this rank's share of the rollout: shuffled micro-batches; DeepSpeed steps the optimizer
-        every ``train_batch_size / (micro x world)`` micro-batches. Returns stats averaged over micro-batches and
-        ranks."""
-        n = next(iter(batch.values())).size(0)
+        every ``accumulation_steps`` micro-batches of a rank (a window: that many micro-batches on every rank).
+
+        ``loss_fn(engine, micro, num_tokens)`` returns sum_t(loss_t * mask_t) / num_tokens, with
+        num_tokens = N_window / (accumulation_steps x world_size) and N_window the action tokens of the whole window
+        over all ranks (all-reduced once per epoch): DeepSpeed divides by the accumulation steps and averages over
+        ranks, so every action token of a window weighs 1 / N_window, whatever the length of its response and
+        however the window splits into micro-batches (OpenRLHF 0.11's token mean over the global accumulation
+        window). Returns ``loss`` = the mean over windows of each window's token-mean loss, and the other stats
+        averaged over micro-batches and ranks."""
+        s = self.strategy
+        n, micro_size, gas = batch.size, self.ctx.batch.micro_train_batch_size, s.accumulation_steps
+        scale = window_loss_scale(gas, s.world_size)
         sums: dict[str, float] = {}
-        count = 0
+        count, loss_sum, windows = 0, 0.0, 0
         for epoch in range(self.ctx.algo.ppo_epochs):
-            gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + step * 101 + epoch * 13 + self.strategy.rank)
-            shuffled = select_rows(batch, torch.randperm(n, generator=gen))
-            for micro in split_batch(shuffled, self.ctx.batch.micro_train_batch_size):
-                loss, stats = loss_fn(self.engine, micro)
+            gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + step * 101 + epoch * 13 + s.rank)
+            micros = batch.select_rows(torch.randperm(n, generator=gen)).split(micro_size)
+            if len(micros) % gas:
+                raise ValueError(
+                    f"{len(micros)} micro-batches of {micro_size} rows on this rank do not fill whole accumulation "
+                    f"windows of {gas}: an optimizer step would straddle two PPO epochs"
+                )
+            window_tokens = torch.tensor(
+                [sum(int(m.action_mask.sum()) for m in micros[w : w + gas]) for w in range(0, len(micros), gas)],
+                dtype=torch.float64,
+            )
+            s.all_reduce_sum(window_tokens)
+            windows += len(window_tokens)
+            for i, micro in enumerate(micros):
+                num_tokens = max(float(window_tokens[i // gas]), 1.0) / scale
+                loss, stats = loss_fn(self.engine, to_device(micro, self.device), num_tokens)
                 self.engine.backward(loss)
                 self.engine.step()
-                for k, v in {"loss": loss.item(), **stats}.items():
+                loss_sum += loss.item() / scale  # this micro-batch's share of its window's token mean
+                for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
-        return {k: self.strategy.all_reduce_mean(v / count) for k, v in sums.items()}
+        totals = torch.tensor([loss_sum], dtype=torch.float64)
+        s.all_reduce_sum(totals)
+        out = {"loss": totals.item() / max(1, windows)}
+        out.update({k: s.all_reduce_mean(v / count) for k, v in sums.items()})
+        return out
 
     # -- checkpoints and export ---------------------------------------------------------------------------------------
     def save_shards(self, rel: str) -> dict[str, dict]:
@@ -114,3 +165,7 @@ class TrainableRole:
     def trainable_state(self) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (collective), for tests that compare before and after."""
         return self.strategy.full_state_dict(self.engine)
+
+    def lr(self) -> float:
+        """The optimizer's current learning rate (after the last step's scheduler update)."""
+        return float(self.engine.get_lr()[0])

@@ -9,6 +9,11 @@ Methods shared by both backends (what the PPO loop uses):
 
 - ``generate(prompt_token_ids, sampling)`` -> for each prompt, ``sampling.n`` responses' token ids, flattened
   prompt-major; a response stops at EOS and then ends with the EOS id.
+- ``generate_with_logprobs(prompt_token_ids, sampling)`` -> ``(responses, logprobs)``: the same responses and, per
+  response token, the log-prob the engine sampled it with: after the temperature, i.e. ``log_softmax(logits / T)``
+  with ``top_p = 1`` (vLLM ``logprobs_mode="processed_logprobs"``; HF ``generate``'s scores after its temperature
+  warper). Greedy sampling (T = 0) gives the log-probs of the raw logits (T = 1). With ``top_p < 1`` they are those
+  of the renormalised nucleus.
 - ``sequence_logprobs(token_ids)`` -> per sequence, ``log p(token_t | tokens_<t)`` for ``t >= 1``.
 - ``init_weight_sync(master_addr, master_port, rank_offset, world_size, group_name)`` and
   ``receive_weights(specs)``: join the weight-sync group and receive one broadcast sync (see ``weight_sync``).
@@ -35,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_core.distributed.weight_sync import WeightSender, WeightSpec, spec_of, to_dtype
+from rlhf_core.distributed.weight_sync import WeightSender, WeightSpec, WorkerWeightReceiver, spec_of, to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,8 @@ class VLLMEngine:
         max_model_len: int = 256,
         kv_cache_gib: int = 1,
         enforce_eager: bool = True,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
     ):
         # Read by vLLM's CPU backend when the engine starts (ignored on GPU, where gpu_memory_utilization rules).
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
@@ -80,6 +87,10 @@ class VLLMEngine:
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
             worker_extension_cls=RECEIVER_CLS,
+            tokenizer=tokenizer,
+            trust_remote_code=trust_remote_code,
+            # Sampled-token log-probs as the sampler computed them: after temperature (and top-p), not the raw ones.
+            logprobs_mode="processed_logprobs",
         )
         self.start_s = time.perf_counter() - start
         logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_s)
@@ -88,28 +99,47 @@ class VLLMEngine:
         return self.tensor_parallel_size
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
+        return self._generate(prompt_token_ids, sampling, with_logprobs=False)[0]
+
+    def generate_with_logprobs(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        return self._generate(prompt_token_ids, sampling, with_logprobs=True)
+
+    def _generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, with_logprobs: bool
+    ) -> tuple[list[list[int]], list[list[float]]]:
         from vllm import SamplingParams
 
         # One SamplingParams per prompt so that each prompt gets its own seeds (vLLM gives the n children of a
-        # request seed + index); a batch is then reproducible and prompts do not share random streams.
+        # request seed + index); a batch is then reproducible and prompts do not share random streams. vLLM refuses
+        # n > 1 with greedy sampling (temperature 0): then each prompt is sent n times with n = 1.
+        copies = sampling.n if sampling.temperature <= 0 else 1
         params = [
             SamplingParams(
-                n=sampling.n,
+                n=sampling.n // copies,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
                 seed=sampling.seed + i * sampling.n,
                 detokenize=False,
+                logprobs=0 if with_logprobs else None,  # 0: only the sampled token's log-prob
             )
             for i in range(len(prompt_token_ids))
+            for _ in range(copies)
         ]
-        prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in prompt_token_ids]
+        prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in prompt_token_ids for _ in range(copies)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
         for out in outputs:
             for completion in sorted(out.outputs, key=lambda c: c.index):
-                responses.append(list(completion.token_ids))
-        return responses
+                tokens = list(completion.token_ids)
+                responses.append(tokens)
+                if with_logprobs:
+                    per_token = completion.logprobs  # per position {token: Logprob}, the sampled token among them
+                    logprobs.append([float(per_token[t][tok].logprob) for t, tok in enumerate(tokens)])
+        return responses, logprobs
 
     def sequence_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams
@@ -128,13 +158,17 @@ class VLLMEngine:
         self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
         timeout_s: float = 600,
     ) -> list[int]:
+        # vLLM runs worker-extension methods by name in its engine process; the name comes from the method object
+        # so that a grep finds this caller and a rename fails here. (A function object would be cloudpickled and,
+        # under the single-process executor, bound to vLLM's worker wrapper instead of the worker.)
         return self.llm.collective_rpc(
-            "init_weight_sync_group", args=(master_addr, master_port, rank_offset, world_size, group_name, timeout_s)
+            WorkerWeightReceiver.init_weight_sync_group.__name__,
+            args=(master_addr, master_port, rank_offset, world_size, group_name, timeout_s),
         )
 
     def receive_weights(self, specs: list[WeightSpec]) -> float:
         start = time.perf_counter()
-        self.llm.collective_rpc("receive_weights", args=([tuple(s) for s in specs],))
+        self.llm.collective_rpc(WorkerWeightReceiver.receive_weights.__name__, args=([tuple(s) for s in specs],))
         # Cached KV blocks were computed with the old weights.
         self.reset_prefix_cache()
         return time.perf_counter() - start
@@ -153,12 +187,18 @@ class VLLMEngine:
 class HFGenerateEngine:
     """The same interface on Hugging Face ``generate``: no vLLM needed, one process, left padding."""
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0):
+    def __init__(
+        self, model_path: str, *, dtype: str = "float32", seed: int = 0, tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+    ):  # fmt: skip
         from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 
         start = time.perf_counter()
-        self.tokenizer = load_tokenizer(model_path)
-        self.model = build_causal_lm(model_path, self.tokenizer, seed=seed, dtype=to_dtype(dtype), attn="sdpa")
+        self.tokenizer = load_tokenizer(model_path, tokenizer, trust_remote_code=trust_remote_code)
+        self.model = build_causal_lm(
+            model_path, self.tokenizer, seed=seed, dtype=to_dtype(dtype), attn="sdpa",
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
         if torch.cuda.is_available():  # a Ray actor given a GPU sees exactly that one
             self.model.to("cuda")
         self.model.eval()
@@ -188,10 +228,20 @@ class HFGenerateEngine:
                 mask[i, width - len(s) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
+        return self._generate(prompt_token_ids, sampling, with_logprobs=False)[0]
+
+    def generate_with_logprobs(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        return self._generate(prompt_token_ids, sampling, with_logprobs=True)
+
+    @torch.no_grad()
+    def _generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, with_logprobs: bool
+    ) -> tuple[list[list[int]], list[list[float]]]:
         if not prompt_token_ids:
-            return []
+            return [], []
         expanded = [list(map(int, p)) for p in prompt_token_ids for _ in range(sampling.n)]  # prompt-major
         ids, mask = self._left_padded(expanded)
         greedy = sampling.temperature <= 0
@@ -200,6 +250,9 @@ class HFGenerateEngine:
             do_sample=not greedy,
             eos_token_id=self.eos_id,
             pad_token_id=self.pad_id,
+            # scores = the logits after the logits processors and warpers (temperature, top-p) of each step
+            output_scores=with_logprobs,
+            return_dict_in_generate=True,
         )
         if not greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
@@ -208,13 +261,21 @@ class HFGenerateEngine:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(sampling.seed)
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        new_tokens = out[:, ids.shape[1] :].tolist()
-        responses = []
-        for row in new_tokens:
+        new = out.sequences[:, ids.shape[1] :]
+        step_logprobs = None
+        if with_logprobs and new.shape[1]:
+            scores = torch.stack(out.scores, dim=1).float()  # (B, new tokens, V)
+            step_logprobs = torch.log_softmax(scores, dim=-1).gather(2, new.unsqueeze(2)).squeeze(2).cpu()
+        responses, logprobs = [], []
+        for i, row in enumerate(new.tolist()):
             if self.eos_id in row:
                 row = row[: row.index(self.eos_id) + 1]
             responses.append(row)
-        return responses
+            if step_logprobs is not None:
+                logprobs.append(step_logprobs[i, : len(row)].tolist())
+            elif with_logprobs:
+                logprobs.append([])
+        return responses, logprobs
 
     @torch.no_grad()
     def sequence_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
@@ -410,15 +471,31 @@ class EngineGroup:
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
         """n responses per prompt, prompt-major; engine i samples with seed + 7919 i; an empty one becomes [EOS]."""
+        return self.generate_with_logprobs(prompt_ids, sampling, with_logprobs=False)[0]
+
+    def generate_with_logprobs(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, with_logprobs: bool = True
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """``generate``, and per response token the log-prob the engine sampled it with (see the module doc); an
+        empty response becomes [EOS] with a NaN log-prob (the engine did not sample it)."""
         import ray
 
         k = len(self.engines)
         chunks = [prompt_ids[i * len(prompt_ids) // k : (i + 1) * len(prompt_ids) // k] for i in range(k)]
-        refs = [
-            e.generate.remote(chunk, replace(sampling, seed=sampling.seed + 7919 * i))
-            for i, (e, chunk) in enumerate(zip(self.engines, chunks)) if chunk
-        ]  # fmt: skip
-        return [r if r else [self.eos] for part in ray.get(refs) for r in part]
+        refs = []
+        for i, (e, chunk) in enumerate(zip(self.engines, chunks)):
+            if chunk:
+                seeded = replace(sampling, seed=sampling.seed + 7919 * i)
+                call = e.generate_with_logprobs if with_logprobs else e.generate
+                refs.append(call.remote(chunk, seeded))
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for part in ray.get(refs):
+            tokens, lps = part if with_logprobs else (part, [[] for _ in part])
+            for r, lp in zip(tokens, lps):
+                responses.append(r if r else [self.eos])
+                logprobs.append(lp if r else [float("nan")])
+        return responses, logprobs
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         import ray

@@ -85,8 +85,17 @@ class DeepSpeedStrategy:
     # -- collectives --------------------------------------------------------------------------------------------------
     def all_reduce_mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.item() / self.world_size
+        return self.all_reduce_sum(t).item() / self.world_size
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In place: the element-wise sum over all ranks of a CPU tensor (moved to the device for NCCL)."""
+        if self.world_size == 1 and not dist.is_initialized():
+            return tensor
+        work = tensor.to("cuda") if self.device == "cuda" else tensor
+        dist.all_reduce(work)
+        if work is not tensor:
+            tensor.copy_(work.cpu())
+        return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

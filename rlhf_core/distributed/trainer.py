@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlhf_core import events
 from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
@@ -45,6 +46,7 @@ class StageContext:
     work_dir: str  # local scratch for staging checkpoints and exports
     fail_after_step: int | None = None  # fault injection for tests (RLHF_FAIL_AFTER_STEP)
     upstream: dict = field(default_factory=dict)
+    trust_remote_code: bool = False  # <stage>.model.trust_remote_code: custom modelling code of the model directory
 
 
 class StageImpl(Protocol):
@@ -87,7 +89,7 @@ class SupervisedTrainer:
         _seed_all(t.seed)
 
         # 1. model and engine
-        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path)
+        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
         model = self.impl.build_model(ctx, tokenizer, strategy.dtype, attn)
         n = len(self.train_examples)
@@ -128,6 +130,8 @@ class SupervisedTrainer:
                 lr = engine.get_lr()[0]
                 shown = " ".join(f"{k}={v:.4f}" for k, v in logs.items())
                 self._log(f"step {step + 1}/{steps} {shown} lr={lr:.2e} ({time.time() - started:.2f}s)")
+                if strategy.rank == 0:
+                    events.step(ctx.stage, step + 1, steps, {**logs, "lr": lr})
             if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < steps:
                 self._save_checkpoint(engine, state)
                 if ctx.fail_after_step is not None and step + 1 >= ctx.fail_after_step:
@@ -158,9 +162,12 @@ class SupervisedTrainer:
         files = save_engine_shards(strategy, engine, self.store, rel, self.work / "ckpt", {"trainer_state": dict(state)})
         if strategy.rank == 0:
             files["trainer_state.json"] = write_entry(self.store, f"{rel}/trainer_state.json", json.dumps(state))
+            # The ranks that wrote the shards: a resume with another count is refused (jobs.common.check_resumable).
+            workers = {"strategy.num_workers": strategy.world_size}
             self.store.commit(
-                rel, stage=ctx.stage, config_hash=ctx.config_hash, files=files, extra={"step": state["step"]}
-            )
+                rel, stage=ctx.stage, config_hash=ctx.config_hash, files=files,
+                extra={"step": state["step"], "workers": workers},
+            )  # fmt: skip
             prune_checkpoints(self.store, ctx.stage, ctx.train.keep_last)
             self._log(f"checkpoint {self.store.uri(rel)}")
         strategy.barrier()
@@ -252,10 +259,16 @@ def _seed_all(seed: int) -> None:
 
 
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # this rank's devices (a Ray worker sees its own GPU only)
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)

@@ -4,12 +4,20 @@ After OpenRLHF's design: the actor (policy, DeepSpeed) starts from ``ppo.actor``
 from ``ppo.critic`` (``stage:critic_warmup`` or ``stage:critic_init``), the reward model and the reference policy
 are frozen. Each PPO step reads like its phases:
 
-  1. rollout      the engines (vLLM, or HF generate) sample n responses per prompt
-  2. experience   actor and reference log-probs, critic values, reward-model scores
-  3. advantages   normalised and clipped scores, token-level KL penalty, GAE
-  4. PPO epochs   actor (clipped policy loss, advantages whitened across all actor ranks) and critic together
+  1. rollout      the engines (vLLM, or HF generate) sample n responses per prompt, with the log-prob of each
+                  sampled token (checked against the actor's: ``rollout_logprob_max_diff``)
+  2. experience   a typed ``Experience``: actor and reference log-probs (logits / rollout temperature), critic values
+                  (on the normalised reward scale), reward-model scores of prompt + response + EOS where it was cut
+  3. advantages   normalised, missing-EOS-penalised and clipped scores, token-level KL penalty, GAE; returns a new
+                  ``Experience`` with advantages and returns
+  4. PPO epochs   actor (clipped policy loss, advantages whitened across all actor ranks) and critic together, each on
+                  ``exp.shard(n)``, token-mean losses over each gradient-accumulation window
   5. weight sync  the actor's new weights go to the engines over a collective group (no disk)
-  6. logging      and, every ``save_steps``, a checkpoint of actor, critic and controller state
+  6. logging      (and a ``step`` event, ``rlhf_core.events``) and, every ``save_steps``, a checkpoint of actor,
+                  critic and controller state
+
+No reference policy is built when ``algo.kl_coef`` = 0 and there is no ``algo.kl_target`` (no KL penalty).
+Roles are called through typed handles: ``group.call(PolicyActor.export, ...)``, never by method name.
 
 Writes ``<run_uri>/ppo/`` (the policy, Hugging Face format), ``<run_uri>/ppo/critic/`` and
 ``<run_uri>/ppo/metrics.json``. The critic warm-up stage runs this same loop with the actor frozen throughout.
@@ -20,29 +28,48 @@ Writes ``<run_uri>/ppo/`` (the policy, Hugging Face format), ``<run_uri>/ppo/cri
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from rlhf_core.algos.batching import make_sequences, shard_batch
-from rlhf_core.algos.ppo import approx_kl, clip_scores, gae, make_kl_controller, normalize_scores, token_rewards
-from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, StrategyConfig, TrainConfig
+from rlhf_core import events
+from rlhf_core.algos.batching import ensure_eos, make_sequences
+from rlhf_core.algos.experience import Experience, SequenceBatch
+from rlhf_core.algos.losses import masked_mean
+from rlhf_core.algos.ppo import (
+    apply_missing_eos_penalty,
+    approx_kl,
+    clip_scores,
+    gae,
+    make_kl_controller,
+    normalize_scores,
+    token_rewards,
+)
+from rlhf_core.config import ConfigError, PipelineConfig, PPOAlgoConfig, PPOConfig, StrategyConfig, TrainConfig
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed import launcher
+from rlhf_core.distributed.actor import PolicyActor
+from rlhf_core.distributed.critic import CriticActor
+from rlhf_core.distributed.reference import ReferencePolicy
+from rlhf_core.distributed.reward import RewardScorer
+from rlhf_core.distributed.role_base import RoleContext
 from rlhf_core.distributed.trainer import checkpoint_rel, newest_checkpoint, prune_checkpoints, write_entry
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import BUILTIN_PREFIX, load_tokenizer
 from rlhf_core.storage import ObjectStore
 from rlhf_core.types import CheckpointRef
 
-STAGE = "ppo"
+KIND = "ppo"
+STAGE = KIND  # the default stage name of this kind
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -59,16 +86,25 @@ def optimizer_steps(p: PPOConfig, ppo_steps: int) -> int:
     return ppo_steps * samples // p.train.train_batch_size * p.algo.ppo_epochs
 
 
+def needs_reference(a: PPOAlgoConfig) -> bool:
+    """A reference policy only for a KL penalty: none when kl_coef = 0 and no adaptive target (as OpenRLHF)."""
+    return a.kl_coef > 0 or a.kl_target is not None
+
+
+def reference_workers(p: PPOConfig) -> int:
+    return p.reference_workers if needs_reference(p.algo) else 0
+
+
 def resource_demand(p: PPOConfig, device: str) -> dict[str, float]:
     """Ray resources the roles and engines ask for (colocated roles share their partner's devices)."""
     a, c = p.actor_strategy, p.critic_strategy
     cpus = a.num_workers * a.cpus_per_worker + c.num_workers * c.cpus_per_worker
-    cpus += (p.reward_workers + p.reference_workers) * p.frozen_cpus_per_worker
+    cpus += (p.reward_workers + reference_workers(p)) * p.frozen_cpus_per_worker
     cpus += p.rollout.num_engines * p.rollout.cpus_per_engine
     demand = {"CPU": cpus}
     if device == "cuda":
         gpus = a.num_workers + c.num_workers + p.rollout.num_engines * p.rollout.tensor_parallel_size
-        gpus += 0 if (p.colocate_actor_ref or p.colocate_all) else p.reference_workers
+        gpus += 0 if (p.colocate_actor_ref or p.colocate_all) else reference_workers(p)
         gpus += 0 if (p.colocate_critic_reward or p.colocate_all) else p.reward_workers
         if p.colocate_all:
             gpus = max(a.num_workers, p.rollout.num_engines * p.rollout.tensor_parallel_size)
@@ -87,7 +123,7 @@ def check_fits(stage: str, p: PPOConfig, device: str, available: dict[str, float
             raise ConfigError(
                 f"{stage}: the roles need {needed:g} {resource} but the Ray cluster has {have:g} "
                 f"(actor {p.actor_strategy.num_workers}, critic {p.critic_strategy.num_workers}, reward "
-                f"{p.reward_workers}, reference {p.reference_workers}, {p.rollout.num_engines} engine(s) x "
+                f"{p.reward_workers}, reference {reference_workers(p)}, {p.rollout.num_engines} engine(s) x "
                 f"tensor_parallel_size {p.rollout.tensor_parallel_size}); lower "
                 f"'{stage}.rollout.num_engines' or the worker counts"
             )
@@ -100,7 +136,7 @@ def reward_stats(stage: str, p: PPOConfig, reward_path: str) -> tuple[float, flo
     if not reward_path.startswith(BUILTIN_PREFIX):
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(reward_path)
+        config = AutoConfig.from_pretrained(reward_path, trust_remote_code=p.reward.trust_remote_code)
         mean, std = getattr(config, "reward_mean", None), getattr(config, "reward_std", None)
         if mean is not None and std is not None:
             return float(mean), float(std)
@@ -128,8 +164,10 @@ class PPOController:
     def __init__(self, stage: str, p: PPOConfig, st: common.StageSetup, train_actor: bool):
         self.stage, self.p, self.st, self.paths, self.train_actor = stage, p, st, st.paths, train_actor
         self.store: ObjectStore = st.store
-        self.tokenizer = load_tokenizer(st.paths["actor"], p.actor.tokenizer)
-        self.pad_id = self.tokenizer.pad_token_id
+        self.tokenizer = load_tokenizer(
+            st.paths["actor"], p.actor.tokenizer, trust_remote_code=p.actor.trust_remote_code
+        )
+        self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         options = self.store.fs.storage_options
         self.prompts = prompt_examples(p.data, self.tokenizer, "train", options)
         self.eval_prompts = (
@@ -146,14 +184,25 @@ class PPOController:
         self.gold = load_gold(p.train.gold_reward)
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
         self.device = launcher.resolve_device(p.actor_strategy.device)
+        # PPO steps in which the actor trains: its LR schedule spans only those (the frozen warm-up steps do not
+        # count, so a decaying schedule completes on the last step).
+        self.actor_ppo_steps = max(0, self.steps - p.train.freeze_actor_steps) if train_actor else 0
+        self.actor: launcher.RayWorkerGroup[PolicyActor] | None = None
+        self.critic: launcher.RayWorkerGroup[CriticActor] | None = None
+        self.reward: launcher.RayWorkerGroup[RewardScorer] | None = None
+        self.reference: launcher.RayWorkerGroup[ReferencePolicy] | None = None
+        self.engines: Any = None
+        self.started_ray = False
+
+    @property
+    def roles(self) -> dict[str, int]:
+        """Workers per role (0 = the role was not built), and rollout engines."""
+        groups = {"actor": self.actor, "critic": self.critic, "reward": self.reward, "reference": self.reference}
+        counts = {role: len(g) if g is not None else 0 for role, g in groups.items()}
+        return {**counts, "engines": self.p.rollout.num_engines}
 
     # -- set-up -------------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        from rlhf_core.distributed.actor import PolicyActor
-        from rlhf_core.distributed.critic import CriticActor
-        from rlhf_core.distributed.reference import ReferencePolicy
-        from rlhf_core.distributed.reward import RewardScorer
-        from rlhf_core.distributed.role_base import RoleContext
         from rlhf_core.distributed.rollout_engine import EngineGroup, create_engines
 
         p, t = self.p, self.p.train
@@ -161,20 +210,21 @@ class PPOController:
         self.started_ray = launcher.init_ray(min_cpus=demand["CPU"])
         check_fits(self.stage, p, self.device, launcher.cluster_resources())
 
-        actor_steps = optimizer_steps(p, self.steps if self.train_actor else 0)
         base = dict(
-            stage=self.stage, init_seed=0, micro_rollout_batch_size=t.micro_rollout_batch_size, algo=p.algo,
-            seed=t.seed, run_uri=self.store.root_uri, storage_options=self.store.fs.storage_options,
-            work_dir=self.st.work,
+            stage=self.stage, micro_rollout_batch_size=t.micro_rollout_batch_size, algo=p.algo, seed=t.seed,
+            run_uri=self.store.root_uri, storage_options=self.store.fs.storage_options, work_dir=self.st.work,
             batch=TrainConfig(train_batch_size=t.train_batch_size, micro_train_batch_size=t.micro_train_batch_size),
+            temperature=p.rollout.temperature,
         )  # fmt: skip
         actor_ctx = RoleContext(
             role="actor", model_path=self.paths["actor"], tokenizer_path=p.actor.tokenizer,
-            strategy=p.actor_strategy, optim=p.actor_optim, total_optimizer_steps=actor_steps, **base,
+            init_seed=p.actor.init_seed, trust_remote_code=p.actor.trust_remote_code, strategy=p.actor_strategy,
+            optim=p.actor_optim, total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps), **base,
         )  # fmt: skip
         critic_ctx = RoleContext(
             role="critic", model_path=self.paths["critic"], tokenizer_path=p.critic.tokenizer,
-            strategy=p.critic_strategy, optim=p.critic_optim, total_optimizer_steps=optimizer_steps(p, self.steps),
+            init_seed=p.critic.init_seed, trust_remote_code=p.critic.trust_remote_code, strategy=p.critic_strategy,
+            optim=p.critic_optim, total_optimizer_steps=optimizer_steps(p, self.steps), reward_stats=self.stats,
             **base,
         )  # fmt: skip
         frozen = lambda n: replace(p.actor_strategy, num_workers=n, cpus_per_worker=p.frozen_cpus_per_worker)  # noqa: E731
@@ -194,7 +244,7 @@ class PPOController:
             tensor_parallel_size=p.rollout.tensor_parallel_size, num_cpus_per_engine=p.rollout.cpus_per_engine,
             **self._engine_kwargs(),
         )  # fmt: skip
-        self.engines = EngineGroup(handles, self.tokenizer.eos_token_id)
+        self.engines = EngineGroup(handles, self.eos_id)
         self.actor = launcher.RayWorkerGroup(
             _slice_if_placed(p.actor_strategy, "actor" in placement), PolicyActor, actor_ctx,
             placement=placement.get("actor"), share=share["actor"],
@@ -206,20 +256,25 @@ class PPOController:
         precision = p.actor_strategy.precision
         self.reward = launcher.RayWorkerGroup(
             _slice_if_placed(frozen(p.reward_workers), "critic" in placement), RewardScorer, self.paths["reward"],
-            t.micro_rollout_batch_size, precision, placement=placement.get("critic"), share=share["critic"],
+            t.micro_rollout_batch_size, precision, tokenizer_path=p.reward.tokenizer, init_seed=p.reward.init_seed,
+            trust_remote_code=p.reward.trust_remote_code, placement=placement.get("critic"), share=share["critic"],
         )  # fmt: skip
-        self.reference = launcher.RayWorkerGroup(
-            _slice_if_placed(frozen(p.reference_workers), "actor" in placement), ReferencePolicy,
-            self.paths["reference"], t.micro_rollout_batch_size, precision, placement=placement.get("actor"),
-            share=share["actor"],
-        )  # fmt: skip
-        launcher.wait(self.actor.call_async("setup") + self.critic.call_async("setup"))
+        if needs_reference(p.algo):
+            ref = p.reference or p.actor  # default: the actor's starting model, with the actor's model keys
+            self.reference = launcher.RayWorkerGroup(
+                _slice_if_placed(frozen(p.reference_workers), "actor" in placement), ReferencePolicy,
+                self.paths["reference"], t.micro_rollout_batch_size, precision, ref.init_seed,
+                temperature=p.rollout.temperature, tokenizer_path=ref.tokenizer,
+                trust_remote_code=ref.trust_remote_code, placement=placement.get("actor"), share=share["actor"],
+            )  # fmt: skip
+        launcher.wait(self.actor.call_async(PolicyActor.setup) + self.critic.call_async(CriticActor.setup))
         self.engines.wait_ready()
-        self.actor.call("connect_engines", handles, p.rollout.backend == "vllm")
+        self.actor.call(PolicyActor.connect_engines, handles, p.rollout.backend == "vllm")
 
     def _engine_kwargs(self) -> dict:
         p = self.p
-        kwargs: dict[str, Any] = {"seed": p.train.seed}
+        kwargs: dict[str, Any] = {"seed": p.train.seed, "tokenizer": p.actor.tokenizer,
+                                  "trust_remote_code": p.actor.trust_remote_code}  # fmt: skip
         dtype = "bfloat16" if p.actor_strategy.precision == "bf16" else "float32"
         kwargs["dtype"] = dtype
         if p.rollout.backend == "vllm":
@@ -227,58 +282,94 @@ class PPOController:
         return kwargs
 
     def shutdown(self) -> None:
-        for group in ("actor", "critic", "reward", "reference", "engines"):
-            if hasattr(self, group):
-                getattr(self, group).shutdown()
-        if getattr(self, "started_ray", False):
+        for group in (self.actor, self.critic, self.reward, self.reference, self.engines):
+            if group is not None:
+                group.shutdown()
+        if self.started_ray:
             launcher.shutdown_ray()
 
     # -- phases -------------------------------------------------------------------------------------------------------
-    def experience(self, prompt_ids: list[list[int]], responses: list[list[int]]) -> dict[str, torch.Tensor]:
-        """Sequences with old/reference log-probs, values and reward scores, each role on its own shards."""
+    def experience(self, prompt_ids: list[list[int]], responses: list[list[int]]) -> Experience:
+        """Sequences with old/reference log-probs, values and reward scores, each role on its own shards.
+
+        The actor, reference and critic see the sampled tokens only; the reward model scores prompt + response with
+        EOS appended to the responses cut at max_new_tokens (``ensure_eos``), so that every response is scored the
+        way the reward model was trained (at a final EOS) whether or not it stopped by itself."""
+        assert self.actor is not None and self.critic is not None and self.reward is not None
         n = len(responses) // len(prompt_ids)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
-        batch = make_sequences(expanded, responses, self.pad_id)
-        refs = {
-            "old_logprobs": self.actor.call_each_async("logprobs", shard_batch(batch, len(self.actor.actors))),
-            "ref_logprobs": self.reference.call_each_async("logprobs", shard_batch(batch, len(self.reference.actors))),
-            "values": self.critic.call_each_async("values", shard_batch(batch, len(self.critic.actors))),
-            "scores": self.reward.call_each_async("scores", shard_batch(batch, len(self.reward.actors))),
-        }
-        return {**batch, **{k: torch.cat(launcher.wait(v)) for k, v in refs.items()}}
+        seq = make_sequences(expanded, responses, self.pad_id)
+        closed, truncated = ensure_eos(responses, self.eos_id)
+        scored = make_sequences(expanded, closed, self.pad_id)
+        old = self.actor.call_each_async(PolicyActor.logprobs, seq.shard(len(self.actor)))
+        ref = None
+        if self.reference is not None:
+            ref = self.reference.call_each_async(ReferencePolicy.logprobs, seq.shard(len(self.reference)))
+        values = self.critic.call_each_async(CriticActor.values, seq.shard(len(self.critic)))
+        scores = self.reward.call_each_async(RewardScorer.scores, scored.shard(len(self.reward)))
+        return Experience.from_sequences(
+            seq, old_logprobs=torch.cat(launcher.wait(old)), values=torch.cat(launcher.wait(values)),
+            scores=torch.cat(launcher.wait(scores)), ref_logprobs=torch.cat(launcher.wait(ref)) if ref else None,
+            truncated=truncated,
+        )  # fmt: skip
 
-    def advantages(self, exp: dict[str, torch.Tensor]) -> dict[str, float]:
+    def token_kl(self, exp: Experience, estimator: str) -> torch.Tensor:
+        """(B, T-1) KL to the reference on the action tokens; 0 without a reference model."""
+        if exp.ref_logprobs is None:
+            return torch.zeros_like(exp.old_logprobs)
+        return approx_kl(exp.old_logprobs, exp.ref_logprobs, exp.action_mask, estimator)
+
+    def advantages(self, exp: Experience) -> tuple[Experience, dict[str, float]]:
+        """Scores -> token rewards (KL penalty) -> GAE: the experience with advantages and returns, and the logs."""
         a = self.p.algo
-        scores = exp["scores"]
+        scores = exp.scores
         if self.stats is not None:
             scores = normalize_scores(scores, *self.stats)
+        # Missing-EOS penalty after normalisation and before clipping, as OpenRLHF adds its length penalties
+        # (length_penalty.py: DAPO overlong, ProRL stop-properly) to the reward model's output, which is already
+        # normalised there, before compute_reward clamps it: the penalty is in units of the normalised reward.
+        if exp.truncated is not None:
+            scores = apply_missing_eos_penalty(scores, exp.truncated, a.missing_eos_penalty)
         scores = clip_scores(scores, *a.reward_clip)
-        mask = exp["action_mask"]
-        kl = approx_kl(exp["old_logprobs"], exp["ref_logprobs"], mask, a.kl_estimator)
+        mask = exp.action_mask
+        kl = self.token_kl(exp, a.kl_estimator)
         rewards = token_rewards(scores, kl, mask, self.kl_ctl.value)
-        exp["advantages"], exp["returns"] = gae(rewards, exp["values"], mask, a.gamma, a.lam)
-        seq_kl = (kl * mask).sum(1).mean().item()
-        return {"reward": scores.mean().item(), "rm_score": exp["scores"].mean().item(), "kl": seq_kl,
-                "response_len": mask.sum(1).float().mean().item(), "kl_coef": self.kl_ctl.value}  # fmt: skip
+        exp = exp.with_advantages(*gae(rewards, exp.values, mask, a.gamma, a.lam))
+        truncated = exp.truncated if exp.truncated is not None else torch.zeros(exp.size, dtype=torch.bool)
+        logs = {
+            "reward": scores.mean().item(),
+            "rm_score": exp.scores.mean().item(),
+            "kl": (kl * mask).sum(1).mean().item(),  # per-sequence sum, mean over the batch
+            # OpenRLHF's units (what the adaptive controller reads): each sequence's token mean, mean over the batch
+            "kl_token_mean": masked_mean(kl, mask, dim=1).mean().item(),
+            "response_len": mask.sum(1).float().mean().item(),
+            "truncated_frac": truncated.float().mean().item(),
+            "kl_coef": self.kl_ctl.value,
+        }
+        return exp, logs
 
-    def train(self, exp: dict[str, torch.Tensor], step: int, actor_frozen: bool) -> dict[str, float]:
-        keys = ("input_ids", "attention_mask", "action_mask")
-        critic_batch = {k: exp[k] for k in keys} | {"old_values": exp["values"], "returns": exp["returns"]}
-        critic_refs = self.critic.call_each_async("fit", shard_batch(critic_batch, len(self.critic.actors)), step)
+    def train(self, exp: Experience, step: int, actor_frozen: bool) -> dict[str, float]:
+        assert self.actor is not None and self.critic is not None
+        exp = dataclasses.replace(exp, ref_logprobs=None)  # the trained roles do not read it
+        critic_refs = self.critic.call_each_async(CriticActor.fit, exp.shard(len(self.critic)), step)
         stats: dict[str, float] = {}
         if not actor_frozen:
-            actor_batch = {k: exp[k] for k in keys} | {"old_logprobs": exp["old_logprobs"], "advantages": exp["advantages"]}
-            stats.update(self.actor.call_each("fit", shard_batch(actor_batch, len(self.actor.actors)), step)[0])
+            stats.update(self.actor.call_each(PolicyActor.fit, exp.shard(len(self.actor)), step)[0])
         stats.update(launcher.wait(critic_refs)[0])
+        # The learning rates after this step's optimizer steps (the scheduler has stepped).
+        stats["actor_lr"] = self.actor.call(PolicyActor.lr)[0]
+        stats["critic_lr"] = self.critic.call(CriticActor.lr)[0]
         return stats
 
     def push_weights(self) -> float:
-        return self.actor.call("push_weights")[0]
+        assert self.actor is not None
+        return self.actor.call(PolicyActor.push_weights)[0]
 
     # -- evaluation ---------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """One sampled response per held-out prompt (rollout temperature, a fixed seed, so the runs before and after
-        training sample alike): mean gold reward, mean RM score, and KL to the reference (k1 summed per response)."""
+        training sample alike): mean gold reward, mean RM score, and KL to the reference (k1 summed per response;
+        left out when there is no reference model)."""
         from rlhf_core.distributed.rollout_engine import SamplingConfig
 
         if not self.eval_prompts:
@@ -291,9 +382,11 @@ class PPOController:
         # pad the eval batch to a multiple every role can split
         exp = self.experience(*_pad_to_multiple(ids, responses, self._row_multiple()))
         count = len(ids)
-        mask = exp["action_mask"][:count]
-        kl = approx_kl(exp["old_logprobs"][:count], exp["ref_logprobs"][:count], mask, "k1")
-        out = {"rm_score": exp["scores"][:count].mean().item(), "kl_to_ref": (kl * mask).sum(1).mean().item()}
+        out = {"rm_score": exp.scores[:count].mean().item()}
+        if exp.ref_logprobs is not None:
+            mask = exp.action_mask[:count]
+            kl = approx_kl(exp.old_logprobs[:count], exp.ref_logprobs[:count], mask, "k1")
+            out["kl_to_ref"] = (kl * mask).sum(1).mean().item()
         if self.gold is not None:
             texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
             prompts = [e["prompt"] if isinstance(e["prompt"], str) else json.dumps(e["prompt"]) for e in self.eval_prompts]
@@ -302,35 +395,44 @@ class PPOController:
 
     def _row_multiple(self) -> int:
         p = self.p
-        workers = [p.actor_strategy.num_workers, p.critic_strategy.num_workers, p.reward_workers, p.reference_workers]
+        workers = [p.actor_strategy.num_workers, p.critic_strategy.num_workers, p.reward_workers]
+        workers += [p.reference_workers] if self.reference is not None else []
         return math.lcm(*workers) * p.train.micro_rollout_batch_size
 
-    # -- weight-sync check -------------------------------------------------------------------------------------------
+    # -- weight-sync checks -------------------------------------------------------------------------------------------
     def probe_logprobs(self) -> tuple[list[float], list[float]]:
-        """Log-probs of one fixed sequence from the first engine and from the actor (rank 0's copy)."""
+        """Log-probs of one fixed sequence from the first engine and from the actor (rank 0's copy), both of the raw
+        logits (temperature 1: the engines' prompt log-probs do not see the sampling temperature)."""
+        assert self.actor is not None
         text = "The garden is calm and lovely today."
         probe = self.prompts[0]["prompt_ids"] + self.tokenizer(text, add_special_tokens=False)["input_ids"]
         engine_lp = self.engines.sequence_logprobs(probe)
-        rows = len(self.actor.actors)
+        rows = len(self.actor)
         batch = make_sequences([probe] * rows, [[]] * rows, self.pad_id)
-        actor_lp = self.actor.call_each("logprobs", shard_batch(batch, rows))[0][0].tolist()
+        actor_lp = self.actor.call_each(PolicyActor.logprobs, batch.shard(rows), 1.0)[0][0].tolist()
         return engine_lp, actor_lp
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict) -> None:
+        assert self.actor is not None and self.critic is not None
         rel = checkpoint_rel(self.stage, state["step"])
-        files = {**self.actor.call("save_shards", rel)[0], **self.critic.call("save_shards", rel)[0]}
+        files = self.actor.call(PolicyActor.save_shards, rel)[0]
+        files.update(self.critic.call(CriticActor.save_shards, rel)[0])
         state = dict(state, kl_ctl=self.kl_ctl.state_dict())
         files["controller_state.json"] = write_entry(self.store, f"{rel}/controller_state.json", json.dumps(state))
+        # The ranks that wrote the shards: a resume with other counts is refused (jobs.common.check_resumable).
+        workers = {"actor_strategy.num_workers": len(self.actor), "critic_strategy.num_workers": len(self.critic)}
         self.store.commit(
-            rel, stage=self.stage, config_hash=self.st.config_hash, files=files, extra={"step": state["step"]}
-        )
+            rel, stage=self.stage, config_hash=self.st.config_hash, files=files,
+            extra={"step": state["step"], "workers": workers},
+        )  # fmt: skip
         prune_checkpoints(self.store, self.stage, self.p.train.keep_last)
         print(f"[{self.stage}] checkpoint {self.store.uri(rel)}", flush=True)
 
     def load_checkpoint(self, rel: str) -> dict:
-        self.actor.call("load_shards", rel)
-        self.critic.call("load_shards", rel)
+        assert self.actor is not None and self.critic is not None
+        self.actor.call(PolicyActor.load_shards, rel)
+        self.critic.call(CriticActor.load_shards, rel)
         state = json.loads(self.store.read_text(f"{rel}/controller_state.json"))
         self.kl_ctl.load_state_dict(state.pop("kl_ctl"))
         return state
@@ -363,24 +465,27 @@ class PPOController:
                 n=p.rollout.n_samples_per_prompt, temperature=p.rollout.temperature, top_p=p.rollout.top_p,
                 max_new_tokens=p.rollout.max_new_tokens, seed=t.seed * 100_003 + step,
             )  # fmt: skip
-            responses = self.engines.generate(prompt_ids, sampling)
+            responses, engine_logprobs = self.engines.generate_with_logprobs(prompt_ids, sampling)
             # 2. experience
             exp = self.experience(prompt_ids, responses)
             # 3. rewards (normalised RM score + KL penalty) and GAE
-            logs = self.advantages(exp)
+            exp, logs = self.advantages(exp)
+            # The engines were synced after the last update: they sampled from the policy the actor now scores.
+            logs["rollout_logprob_max_diff"] = rollout_logprob_gap(exp, engine_logprobs)
             # 4. PPO epochs: the critic always trains, the actor after the frozen warm-up steps
             actor_frozen = not self.train_actor or step < t.freeze_actor_steps
             logs.update(self.train(exp, step, actor_frozen))
             # 5. weight sync to the engines
             if not actor_frozen:
                 logs["sync_s"] = self.push_weights()
-            self.kl_ctl.update(logs["kl"], len(responses))
+            self.kl_ctl.update(logs["kl_token_mean"], len(responses))
             # 6. logging and checkpoints
             state["step"], state["consumed_prompts"] = step + 1, (step + 1) * t.rollout_batch_size
             state["episode"] = state["consumed_prompts"] // len(self.prompts)
             state["history"].append({"step": step + 1, "prompts": indices, "actor_frozen": actor_frozen, **logs})
             if (step + 1) % t.log_steps == 0 or step + 1 == self.steps:
                 print(f"[{stage}] step {step + 1}/{self.steps} {_fmt(logs)} ({time.time() - started:.1f}s)", flush=True)
+                events.step(stage, step + 1, self.steps, logs)
             if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < self.steps:
                 self.save_checkpoint(state)
                 if fail_after is not None and step + 1 >= fail_after:
@@ -393,12 +498,33 @@ class PPOController:
         engine_lp, actor_lp = self.probe_logprobs()
         metrics["sync_engine_vs_actor_max_diff"] = max(abs(a - b) for a, b in zip(engine_lp, actor_lp))
         metrics["sync_engine_change_max"] = max(abs(a - b) for a, b in zip(engine_lp, engine_lp_start))
+        gaps = [h["rollout_logprob_max_diff"] for h in state["history"] if "rollout_logprob_max_diff" in h]
+        if gaps:
+            metrics["rollout_logprob_max_diff"] = max(gaps)
         metrics.update({f"{k}_before": v for k, v in state["before"].items()})
         metrics.update({f"{k}_after": v for k, v in after.items()})
         last = state["history"][-1] if state["history"] else {}
-        metrics.update({k: last[k] for k in ("kl", "rm_score", "policy_loss", "critic_loss") if k in last})
+        kept = ("kl", "kl_token_mean", "rm_score", "policy_loss", "critic_loss")
+        metrics.update({k: last[k] for k in kept if k in last})
         self.history = state["history"]
         return metrics
+
+
+def rollout_logprob_gap(exp: SequenceBatch | Experience, engine_logprobs: list[list[float]]) -> float:
+    """max |engine log-prob - actor old log-prob| over the action tokens: the engines sample at the rollout
+    temperature and report processed log-probs; the actor divides its logits by the same temperature. NaN engine
+    entries (a response the engine did not produce) are skipped; 0.0 when nothing is comparable."""
+    assert isinstance(exp, Experience)
+    engine = torch.full_like(exp.old_logprobs, float("nan"))
+    for i, lps in enumerate(engine_logprobs):
+        positions = exp.action_mask[i].nonzero().flatten()
+        if len(lps) != len(positions):
+            raise ValueError(f"response {i}: {len(lps)} engine log-probs for {len(positions)} action tokens")
+        engine[i, positions] = torch.tensor(lps, dtype=engine.dtype)
+    valid = exp.action_mask.bool() & ~engine.isnan()
+    if not valid.any():
+        return 0.0
+    return (engine - exp.old_logprobs)[valid].abs().max().item()
 
 
 def _slice_if_placed(s: StrategyConfig, placed: bool) -> StrategyConfig:
@@ -420,9 +546,11 @@ def _fmt(logs: dict) -> str:
 
 
 def run(cfg: PipelineConfig, stage: str = STAGE, train_actor: bool = True) -> CheckpointRef:
-    # 1. inputs: config hash (with the upstream outputs' hashes), finished output, then the four models
+    # 1. inputs: config hash (with the upstream outputs' hashes), finished output, then the models
     p: PPOConfig = cfg.stage(stage)
-    models = {"actor": p.actor, "critic": p.critic, "reward": p.reward, "reference": p.reference or p.actor}
+    models = {"actor": p.actor, "critic": p.critic, "reward": p.reward}
+    if needs_reference(p.algo):
+        models["reference"] = p.reference or p.actor
     st = common.setup_stage(cfg, stage, models)
     if st.done is not None:
         return st.done
@@ -436,11 +564,16 @@ def run(cfg: PipelineConfig, stage: str = STAGE, train_actor: bool = True) -> Ch
         controller.start()
         metrics = controller.fit()
         extra = {"upstream": upstream}
+        assert controller.actor is not None and controller.critic is not None
         if train_actor and p.train.save_critic:
-            controller.critic.call("export", f"{stage}/critic", config_hash, metrics, extra)
-        store.write_json(f"{stage}/metrics.json", {"history": controller.history, "final": metrics})
-        group = controller.actor if train_actor else controller.critic
-        group.call("export", stage, config_hash, metrics, extra)
+            controller.critic.call(CriticActor.export, f"{stage}/critic", config_hash, metrics, extra)
+        store.write_json(
+            f"{stage}/metrics.json", {"history": controller.history, "final": metrics, "roles": controller.roles}
+        )
+        if train_actor:
+            controller.actor.call(PolicyActor.export, stage, config_hash, metrics, extra)
+        else:
+            controller.critic.call(CriticActor.export, stage, config_hash, metrics, extra)
     finally:
         controller.shutdown()
         shutil.rmtree(work, ignore_errors=True)
@@ -448,4 +581,4 @@ def run(cfg: PipelineConfig, stage: str = STAGE, train_actor: bool = True) -> Ch
 
 
 if __name__ == "__main__":
-    common.main(STAGE, run)
+    common.main(KIND, run)

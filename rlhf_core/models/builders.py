@@ -29,7 +29,7 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in (ASSETS / "models").glob("*.json"))
 
 
-def check_model_source(path: str, key: str) -> None:
+def check_model_source(path: str, key: str, *, trust_remote_code: bool = False) -> None:
     """Fail fast, before any worker starts, when ``path`` cannot be a model. ``key`` names the config key."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
@@ -44,7 +44,7 @@ def check_model_source(path: str, key: str) -> None:
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(path)
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
         raise ModelPathError(
             f"'{key}': model path {path!r} is not a local directory and could not be loaded from the hub "
@@ -52,12 +52,14 @@ def check_model_source(path: str, key: str) -> None:
         ) from None
 
 
-def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None, *, trust_remote_code: bool = False) -> Any:
+    """The tokenizer at ``tokenizer_path`` (default: the model's own; the bundled one for builtin: models), with a pad
+    token (EOS when it has none). ``trust_remote_code`` allows custom tokenizer code from that directory."""
     from transformers import AutoTokenizer
 
     if tokenizer_path is None:
         tokenizer_path = str(BUNDLED_TOKENIZER) if model_path.startswith(BUILTIN_PREFIX) else model_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -93,21 +95,30 @@ def _builtin_config(name: str, vocab_size: int, tokenizer: Any, attn: str) -> An
     )
 
 
-def build_causal_lm(path: str, tokenizer: Any, *, seed: int, dtype: torch.dtype, attn: str) -> nn.Module:
+def build_causal_lm(
+    path: str, tokenizer: Any, *, seed: int, dtype: torch.dtype, attn: str, trust_remote_code: bool = False
+) -> nn.Module:
+    """A causal LM: ``builtin:<name>`` built with ``seed``, else ``from_pretrained`` (``trust_remote_code`` allows the
+    directory's custom modelling code)."""
     from transformers import AutoModelForCausalLM
 
     if path.startswith(BUILTIN_PREFIX):
         config = _builtin_config(path[len(BUILTIN_PREFIX) :], len(tokenizer), tokenizer, attn)
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
+    )
 
 
-def build_scalar_model(path: str, tokenizer: Any, *, seed: int, dtype: torch.dtype, attn: str) -> nn.Module:
+def build_scalar_model(
+    path: str, tokenizer: Any, *, seed: int, dtype: torch.dtype, attn: str, trust_remote_code: bool = False
+) -> nn.Module:
     """A sequence-classification model with one output (reward model or critic) in Hugging Face format.
 
     Loading a causal-LM checkpoint keeps its backbone and creates the ``score`` head, which is then initialised
     N(0, 1/(hidden+1)) with ``seed`` (as OpenRLHF does); a reward-model checkpoint keeps its trained head.
+    ``trust_remote_code`` allows the directory's custom modelling code (config and model).
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -118,10 +129,10 @@ def build_scalar_model(path: str, tokenizer: Any, *, seed: int, dtype: torch.dty
         model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
         fresh_head = True
     else:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         fresh_head = not any("ForSequenceClassification" in a for a in (config.architectures or []))
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation=attn
+            path, num_labels=1, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
         )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id

@@ -35,14 +35,31 @@ def tiny(tmp_path_factory):
     return str(path), tok, model, prompts
 
 
-def hf_logprobs(model, seqs):
+def hf_logprobs(model, seqs, temperature=1.0):
     out = []
     with torch.no_grad():
         for s in seqs:
             ids = torch.tensor([s])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / temperature, -1)
             out.append(logp.gather(1, ids[0, 1:, None]).squeeze(1))
     return out
+
+
+def check_sampled_logprobs(generate_with_logprobs, generate, model, prompts, n):
+    """The engine's log-probs of its sampled tokens are log_softmax(logits / T) at T = 0.7, and those of the raw
+    logits when greedy (T = 0); the responses are those of ``generate``. Returns the largest gap seen."""
+    gaps = []
+    for temperature in (0.7, 0.0):
+        sampling = SamplingConfig(n=n, max_new_tokens=8, seed=11, temperature=temperature)
+        responses, logprobs = generate_with_logprobs(prompts, sampling)
+        assert responses == generate(prompts, sampling)
+        assert [len(lp) for lp in logprobs] == [len(r) for r in responses]
+        expanded = [p for p in prompts for _ in range(n)]
+        full = hf_logprobs(model, [p + r for p, r in zip(expanded, responses)], temperature or 1.0)
+        expected = [f[len(p) - 1 :] for f, p in zip(full, expanded)]
+        gaps.append(max_diff(logprobs, expected))
+    assert max(gaps) < 1e-4, gaps
+    return max(gaps)
 
 
 def max_diff(a, b):
@@ -113,6 +130,11 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     seqs = [p + r for p, r in zip([p for p in prompts for _ in range(2)], responses)][::2]
     # the engine serves the saved weights
     assert max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), hf_logprobs(model, seqs)) < 1e-3
+    # and reports the log-probs it sampled with (processed: after the temperature)
+    sampled_gap = check_sampled_logprobs(
+        lambda *a: ray.get(engine.generate_with_logprobs.remote(*a)), lambda *a: ray.get(engine.generate.remote(*a)),
+        model, prompts, n=2,
+    )  # fmt: skip
 
     trained = perturbed(model, seed=1)
     target = hf_logprobs(trained, seqs)
@@ -153,7 +175,7 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     print(
         f"\nvLLM engine start {start_s:.1f} s, generate {gen_s:.2f} s, connect {connect_s:.2f} s, "
         f"sync {sync_s:.2f} s / {sync2_s:.2f} s, aborted sync {abort_s:.2f} s, "
-        f"log-prob diff before {before:.3f} after {after:.2e}"
+        f"log-prob diff before {before:.3f} after {after:.2e}, sampled-token log-probs vs HF {sampled_gap:.2e}"
     )
     ray.kill(engine, no_restart=True)
 
@@ -170,6 +192,8 @@ def test_hf_engine_generate_load_and_sync(ray_cluster, tiny):
 
     seqs = [p + r for p, r in zip(prompts, responses[::3])]
     assert max_diff(engine.sequence_logprobs(seqs), hf_logprobs(model, seqs)) < 1e-5
+    sampled_gap = check_sampled_logprobs(engine.generate_with_logprobs, engine.generate, model, prompts, n=3)
+    print(f"\nHF engine: sampled-token log-probs vs a plain forward {sampled_gap:.2e}")
     trained = perturbed(model, seed=1)
     engine.load_state_dict(dict(trained.named_parameters()))
     assert max_diff(engine.sequence_logprobs(seqs), hf_logprobs(trained, seqs)) < 1e-5

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf_core.config import ConfigError
 from rlhf_core.data.sampler import global_batch
@@ -16,6 +16,8 @@ from rlhf_core.storage import ObjectStore
 from tests.jobs.conftest import UPSTREAM, cfg_for, weights
 
 pytestmark = pytest.mark.slow
+
+KL_TARGET, KL_HORIZON = 0.05, 1000
 
 
 @pytest.fixture
@@ -30,22 +32,37 @@ def run_ppo(run_dir, *overrides):
     return ppo.run(cfg_for(run_dir, *UPSTREAM, *overrides))
 
 
+def history_of(run_dir):
+    return json.loads((run_dir / "ppo" / "metrics.json").read_text())["history"]
+
+
 def test_critic_warmup_trains_the_critic_only(ppo_inputs):
     run_dir, refs = ppo_inputs
     assert refs["critic_warmup"].metrics["steps"] == 2
     init, warmed = weights(run_dir, "critic_init"), weights(run_dir, "critic_warmup")
     assert any(not torch.equal(init[k], warmed[k]) for k in init)
-    assert ObjectStore(str(run_dir)).read_manifest("critic_warmup").extra["upstream"].keys() >= {"sft", "critic_init"}
+    store = ObjectStore(str(run_dir))
+    assert store.read_manifest("critic_warmup").extra["upstream"].keys() >= {"sft", "critic_init"}
     AutoModelForSequenceClassification.from_pretrained(str(run_dir / "critic_warmup"))
+    # The supervised stages' checkpoints record the ranks that wrote them (a resume with another count is refused).
+    sft_checkpoints = sorted(store.list_dirs("sft/checkpoints"))
+    assert sft_checkpoints
+    for name in sft_checkpoints:
+        assert store.read_manifest(f"sft/checkpoints/{name}").extra["workers"] == {"strategy.num_workers": 2}
 
 
 def test_ppo_with_vllm_engine_and_two_zero3_actor_workers(run_dir):
     ref = run_ppo(
         run_dir, "ppo.rollout.backend=vllm", "ppo.actor_strategy.num_workers=2", "ppo.actor_strategy.zero_stage=3",
-        "ppo.train.max_steps=3", "ppo.train.eval_prompts=16",
+        "ppo.train.max_steps=3", "ppo.train.eval_prompts=16", "ppo.rollout.temperature=0.7",
     )
     m = ref.metrics
     assert m["steps"] == 3
+    # vLLM's processed log-probs of the tokens it sampled at T = 0.7 are the actor's log_softmax(logits / 0.7), at
+    # every step (the engine is synced after each update)
+    gaps = [h["rollout_logprob_max_diff"] for h in history_of(run_dir)]
+    print(f"\nvLLM, T=0.7: rollout_logprob_max_diff per step {gaps}")
+    assert len(gaps) == 3 and max(gaps) < 1e-4, gaps
     # After the updates and syncs, the vLLM engine computes the trained actor's log-probs ...
     assert m["sync_engine_vs_actor_max_diff"] < 1e-3, m
     # ... which moved away from what the engine computed before the first update.
@@ -56,20 +73,41 @@ def test_ppo_with_vllm_engine_and_two_zero3_actor_workers(run_dir):
 
 
 def test_ppo_raises_the_gold_reward_of_the_sft_policy(run_dir):
-    ref = run_ppo(run_dir)  # tiny preset: HF generate backend, 12 steps of 16 prompts x 2 samples
+    # tiny preset: HF generate backend, 12 steps of 16 prompts x 2 samples; adaptive KL towards a token-mean target
+    ref = run_ppo(run_dir, f"ppo.algo.kl_target={KL_TARGET}", f"ppo.algo.kl_horizon={KL_HORIZON}")
     m = ref.metrics
     assert m["gold_reward_after"] > m["gold_reward_before"] + 0.05, m
     assert m["rm_score_after"] > m["rm_score_before"], m
     assert m["kl_to_ref_before"] == pytest.approx(0.0, abs=1e-5) and m["kl_to_ref_after"] > 0, m
     assert m["sync_engine_vs_actor_max_diff"] < 1e-3, m
-    history = json.loads((run_dir / "ppo" / "metrics.json").read_text())["history"]
+    assert m["rollout_logprob_max_diff"] < 1e-4, m
+    history = history_of(run_dir)
     assert [h["step"] for h in history] == list(range(1, 13))
+    assert all(0.0 <= h["truncated_frac"] <= 1.0 for h in history)
+    # The adaptive controller reads the token-mean KL (OpenRLHF's units), not the per-sequence sum `kl`.
+    coef = history[0]["kl_coef"]
+    unclipped = 0
+    for before, after in zip(history, history[1:]):
+        error = before["kl_token_mean"] / KL_TARGET - 1
+        unclipped += abs(error) < 0.2
+        coef *= 1 + min(max(error, -0.2), 0.2) * 32 / KL_HORIZON
+        assert after["kl_coef"] == pytest.approx(coef, rel=1e-9), (before, after)
+    print(f"\nkl_token_mean {[round(h['kl_token_mean'], 4) for h in history]}")
+    print(f"kl (per-sequence sum) {[round(h['kl'], 3) for h in history]}")
+    assert unclipped >= 1  # the target is in the range where the units matter
     manifest = ObjectStore(str(run_dir)).read_manifest("ppo")
     assert manifest.metrics["gold_reward_after"] == m["gold_reward_after"]
 
 
-def test_frozen_actor_steps_keep_the_policy_bit_identical(run_dir):
-    ref = run_ppo(run_dir, "ppo.train.max_steps=2", "ppo.train.freeze_actor_steps=2", "ppo.train.eval_prompts=0")
+def test_frozen_actor_steps_keep_the_policy_bit_identical(run_dir, tmp_path, monkeypatch):
+    # Also: without a KL penalty no reference policy is built, and the loop's step events reach the events file.
+    events_file = tmp_path / "events.jsonl"
+    monkeypatch.setenv("RLHF_EVENTS_FILE", str(events_file))
+    # And: short responses (many cut at max_new_tokens) with a missing-EOS penalty.
+    ref = run_ppo(
+        run_dir, "ppo.train.max_steps=2", "ppo.train.freeze_actor_steps=2", "ppo.train.eval_prompts=8",
+        "ppo.algo.kl_coef=0", "ppo.rollout.max_new_tokens=6", "ppo.algo.missing_eos_penalty=-1.0",
+    )  # fmt: skip
     policy, sft_weights = weights(run_dir, "ppo"), weights(run_dir, "sft")
     for name, value in sft_weights.items():
         assert torch.equal(policy[name], value), name
@@ -77,32 +115,71 @@ def test_frozen_actor_steps_keep_the_policy_bit_identical(run_dir):
     assert any(not torch.equal(critic_before[k], critic_after[k]) for k in critic_before)
     assert ref.metrics["sync_engine_change_max"] == 0.0
 
+    out = json.loads((run_dir / "ppo" / "metrics.json").read_text())
+    assert out["roles"] == {"actor": 1, "critic": 1, "reward": 1, "reference": 0, "engines": 1}
+    assert all(h["kl"] == 0.0 and h["kl_token_mean"] == 0.0 for h in out["history"])
+    assert "rm_score_before" in ref.metrics and not any(k.startswith("kl_to_ref") for k in ref.metrics)
+    # a frozen actor never steps: its LR stays the peak; the critic's constant schedule too
+    assert [h["actor_lr"] for h in out["history"]] == [pytest.approx(1e-3)] * 2
+    assert [h["critic_lr"] for h in out["history"]] == [pytest.approx(5e-4)] * 2
+    # reward = mean(clip(normalised RM score - 1 where cut)): with no score near the clip, the penalty shifts the
+    # normalised mean by -truncated_frac
+    rm_config = AutoConfig.from_pretrained(str(run_dir / "reward_model"))
+    mean, std = rm_config.reward_mean, rm_config.reward_std
+    assert any(h["truncated_frac"] > 0 for h in out["history"])
+    for h in out["history"]:
+        expected = (h["rm_score"] - mean) / (std + 1e-8) - h["truncated_frac"]
+        assert h["reward"] == pytest.approx(expected, abs=1e-5), h
+    steps = [json.loads(line) for line in events_file.read_text().splitlines()]
+    steps = [e for e in steps if e["event"] == "step"]
+    assert [(e["stage"], e["step"], e["total"]) for e in steps] == [("ppo", 1, 2), ("ppo", 2, 2)]
+    assert steps[-1]["metrics"]["critic_loss"] == out["history"][-1]["critic_loss"]
+
 
 def test_ppo_resumes_at_the_checkpoint_without_skipping_or_repeating_prompts(run_dir, monkeypatch):
-    overrides = ["ppo.train.max_steps=4", "ppo.train.save_steps=2", "ppo.train.eval_prompts=0"]
+    # A frozen first step and a cosine schedule: the actor's LR decays over its 3 training steps (6 optimizer steps).
+    overrides = ["ppo.train.max_steps=4", "ppo.train.save_steps=2", "ppo.train.eval_prompts=0",
+                 "ppo.train.freeze_actor_steps=1", "ppo.actor_optim.lr_scheduler=cosine_with_min_lr"]  # fmt: skip
     monkeypatch.setenv("RLHF_FAIL_AFTER_STEP", "2")
     with pytest.raises(Exception, match="injected failure after checkpoint at step 2"):
         run_ppo(run_dir, *overrides)
     monkeypatch.delenv("RLHF_FAIL_AFTER_STEP")
-    assert ObjectStore(str(run_dir)).is_complete("ppo/checkpoints/step_00000002")
+    store = ObjectStore(str(run_dir))
+    assert store.is_complete("ppo/checkpoints/step_00000002")
+    workers = store.read_manifest("ppo/checkpoints/step_00000002").extra["workers"]
+    assert workers == {"actor_strategy.num_workers": 1, "critic_strategy.num_workers": 1}
+
+    # Another number of actor ranks cannot load the checkpoint's shards: refused before any actor starts.
+    with monkeypatch.context() as m:
+        m.setattr(launcher, "RayWorkerGroup", _refuse)
+        m.setattr(rollout_engine, "create_engines", _refuse)
+        with pytest.raises(ConfigError, match=r"ppo\.actor_strategy\.num_workers"):
+            run_ppo(run_dir, *overrides, "ppo.actor_strategy.num_workers=2")
 
     ref = run_ppo(run_dir, *overrides)
     assert ref.metrics["resumed_from_step"] == 2
-    history = json.loads((run_dir / "ppo" / "metrics.json").read_text())["history"]
+    history = history_of(run_dir)
     consumed = [i for h in history for i in h["prompts"]]
     expected = [i for step in range(4) for i in global_batch(1000, 16, step, seed=42)]
     assert consumed == expected and len(set(consumed)) == len(consumed)
     # The resumed engines got the checkpointed actor before generating: they agree with it at the end.
     assert ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-3
+    # The actor's schedule counts only its training steps, so the decay completes: lr x min_lr_ratio at the end.
+    actor_lr = [h["actor_lr"] for h in history]
+    assert actor_lr[0] == pytest.approx(1e-3)  # frozen step: no optimizer step yet
+    assert actor_lr[1] > actor_lr[2] > actor_lr[3]
+    assert actor_lr[-1] == pytest.approx(1e-3 * 0.1, rel=1e-6), actor_lr
+    assert [h["critic_lr"] for h in history] == [pytest.approx(5e-4)] * 4
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a Ray actor was started despite a bad config")
 
 
 @pytest.fixture
 def no_actors(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a Ray actor was started despite a bad config")
-
-    monkeypatch.setattr(launcher, "RayWorkerGroup", refuse)
-    monkeypatch.setattr(rollout_engine, "create_engines", refuse)
+    monkeypatch.setattr(launcher, "RayWorkerGroup", _refuse)
+    monkeypatch.setattr(rollout_engine, "create_engines", _refuse)
 
 
 def test_config_mistakes_are_refused_before_any_actor_starts(run_dir, no_actors):
@@ -116,9 +193,17 @@ def test_config_mistakes_are_refused_before_any_actor_starts(run_dir, no_actors)
 
 
 @pytest.mark.parametrize(
-    "layout", [["ppo.colocate_actor_ref=true", "ppo.colocate_critic_reward=true"], ["ppo.colocate_all=true"]],
-    ids=["actor+ref,critic+reward", "all"],
+    "layout",
+    [
+        ["ppo.colocate_actor_ref=true", "ppo.colocate_critic_reward=true", "ppo.rollout.temperature=0.7"],
+        ["ppo.colocate_all=true", "ppo.rollout.temperature=0"],  # greedy: log-probs of the raw logits
+    ],
+    ids=["actor+ref,critic+reward,T=0.7", "all,greedy"],
 )
 def test_colocated_roles_run_in_placement_groups(run_dir, layout):
     ref = run_ppo(run_dir, *layout, "ppo.train.max_steps=2", "ppo.train.eval_prompts=0")
     assert ref.metrics["steps"] == 2 and ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-3
+    # HF generate's scores (after its temperature warper) are the actor's log_softmax(logits / T), T = 1 if greedy
+    gaps = [h["rollout_logprob_max_diff"] for h in history_of(run_dir)]
+    print(f"\nHF, {layout[-1]}: rollout_logprob_max_diff per step {gaps}")
+    assert max(gaps) < 1e-4, gaps

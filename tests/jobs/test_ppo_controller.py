@@ -1,0 +1,89 @@
+"""The PPO controller's experience and advantage phases on plain in-process roles (no Ray): what each role is given,
+and how truncated responses are scored and penalised."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_core.algos.batching import ensure_eos, make_sequences
+from rlhf_core.algos.experience import Experience, SequenceBatch
+from rlhf_core.algos.ppo import make_kl_controller
+from rlhf_core.config import PPOAlgoConfig
+from rlhf_core.distributed import launcher
+from rlhf_core.distributed.reward import RewardScorer
+from rlhf_core.jobs import ppo
+from rlhf_core.models.builders import load_tokenizer
+
+
+class InProcess:
+    """A one-rank stand-in for a RayWorkerGroup: runs the named method on a local object and records its input."""
+
+    def __init__(self, obj):
+        self.obj, self.seen = obj, []
+
+    def __len__(self):
+        return 1
+
+    def call_each_async(self, method, shards, *args):
+        self.seen.extend(shards)
+        return [getattr(self.obj, method.__name__)(shard, *args) for shard in shards]
+
+
+class Zeros:
+    """Log-probs / values of the right shape (the phases under test only pass them through)."""
+
+    def logprobs(self, batch: SequenceBatch):
+        return torch.full(batch.action_mask.shape, -1.0)
+
+    def values(self, batch: SequenceBatch):
+        return torch.zeros(batch.action_mask.shape)
+
+
+@pytest.fixture
+def controller(monkeypatch):
+    monkeypatch.setattr(launcher, "wait", lambda results: results)  # results, not ObjectRefs
+    tok = load_tokenizer("builtin:tiny")
+    ctl = object.__new__(ppo.PPOController)
+    ctl.pad_id, ctl.eos_id = tok.pad_token_id, tok.eos_token_id
+    ctl.actor, ctl.critic, ctl.reference = InProcess(Zeros()), InProcess(Zeros()), InProcess(Zeros())
+    ctl.reward = InProcess(RewardScorer("builtin:tiny", 2, "fp32", init_seed=1))
+    return ctl
+
+
+def test_truncated_responses_are_scored_with_eos_and_penalised_before_the_clip(controller):
+    eos = controller.eos_id
+    prompts = [[5, 6, 7], [8, 9]]
+    responses = [[20, 21, 22, 23], [24, 25, 26, 27, 28, 29], [30, 31, eos], [32, eos]]  # 2 per prompt: 2 cut
+    exp = controller.experience(prompts, responses)
+    expanded = [p for p in prompts for _ in range(2)]
+
+    # actor, critic and reference see the sampled tokens only
+    sampled = make_sequences(expanded, responses, controller.pad_id)
+    for group in (controller.actor, controller.critic, controller.reference):
+        assert torch.equal(group.seen[0].input_ids, sampled.input_ids)
+    assert torch.equal(exp.input_ids, sampled.input_ids) and torch.equal(exp.action_mask, sampled.action_mask)
+    # the reward model scores prompt + response + EOS where the response was cut
+    closed, truncated = ensure_eos(responses, eos)
+    assert truncated.tolist() == [True, True, False, False] and torch.equal(exp.truncated, truncated)
+    scored = make_sequences(expanded, closed, controller.pad_id)
+    assert torch.equal(controller.reward.seen[0].input_ids, scored.input_ids)
+    scorer = controller.reward.obj
+    torch.testing.assert_close(exp.scores, scorer.scores(scored))
+    unclosed = scorer.scores(sampled)
+    assert (exp.scores[:2] - unclosed[:2]).abs().min() > 1e-4  # the cut ones: scored at the appended EOS
+    torch.testing.assert_close(exp.scores[2:], unclosed[2:])
+
+    # advantages: normalise, then the missing-EOS penalty, then the clip (OpenRLHF's order); a new Experience
+    mean, std = exp.scores.mean().item(), 0.1
+    controller.p = SimpleNamespace(algo=PPOAlgoConfig(missing_eos_penalty=-1.0, reward_clip=[-1.2, 1.2]))
+    controller.stats = (mean, std)
+    controller.kl_ctl = make_kl_controller(0.01)
+    out, logs = controller.advantages(exp)
+    assert isinstance(out, Experience) and exp.advantages is None and out.advantages is not None
+    expected = ((exp.scores - mean) / (std + 1e-8) - truncated.float()).clamp(-1.2, 1.2)
+    assert logs["reward"] == pytest.approx(expected.mean().item(), abs=1e-6)
+    assert logs["truncated_frac"] == 0.5 and logs["rm_score"] == pytest.approx(exp.scores.mean().item())
+    # the reward of each row sits on its last action token: the returns there (gamma = 1, critic values 0)
+    last = sampled.action_mask.cumsum(1).argmax(1)
+    assert (out.returns.gather(1, last[:, None]).squeeze(1) - expected).abs().max() < 1e-5
