@@ -35,8 +35,13 @@ def deploy(pool: str, cron: str = "0 2 * * *", names: list[str] | None = None, o
         params = {**PRESETS[name], **(overrides or {})}
         ids.append(
             source.deploy(
-                name=name, work_pool_name=pool, cron=cron, parameters={"params": params},
-                concurrency_limit=1, description=f"RLHF pipeline, preset {params['preset']}", print_next_steps=False,
+                name=name,
+                work_pool_name=pool,
+                cron=cron,
+                parameters={"params": params},
+                concurrency_limit=1,
+                description=f"RLHF pipeline, preset {params['preset']}",
+                print_next_steps=False,
             )  # fmt: skip
         )
     return ids

@@ -24,7 +24,9 @@ def _params(args: argparse.Namespace, **extra):
     run_uri = args.run_uri
     if run_uri and "://" not in run_uri:
         run_uri = str(Path(run_uri).resolve())
-    return PipelineParams(preset=args.preset, overrides=args.overrides, run_name=args.run_name, run_uri=run_uri, **extra)
+    return PipelineParams(
+        preset=args.preset, overrides=args.overrides, run_name=args.run_name, run_uri=run_uri, **extra
+    )
 
 
 def _saved_params(run_name: str, run_uri: str | None):

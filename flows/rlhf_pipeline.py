@@ -1,5 +1,5 @@
-"""The RLHF pipeline flow: a preset's stage instances in dependency order (tiny/demo: SFT -> reward model -> critic init
--> critic warm-up -> PPO), each a cached, retryable task run named after the instance.
+"""The RLHF pipeline flow: a preset's stage instances in dependency order (tiny/demo: SFT -> reward model -> critic
+init -> critic warm-up -> PPO), each a cached, retryable task run named after the instance.
 
 Parameters are one typed model (a form in the Prefect UI). The resolved config is saved with the run
 (``<run_uri>/config.yaml``, credentials redacted, plus an artifact), and so are the flow parameters
@@ -39,7 +39,9 @@ class PipelineParams(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. ppo.train.max_steps=4")
     run_name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Names the run; "
                           "a rerun with the same name resumes it.")  # fmt: skip
-    run_uri: str | None = Field(None, description="Artifacts location (path, file://, s3://); default runs/<run_name>.")
+    run_uri: str | None = Field(
+        None, description="Artifacts location (path, file://, s3://); default runs/<run_name>."
+    )
     stages: list[str] | None = Field(None, description="Run only these stage instances (their inputs must exist).")
     task_retries: int = Field(2, ge=0, description="Retries of a failed stage (each resumes from its checkpoint).")
 
@@ -59,8 +61,10 @@ def resolve(params: PipelineParams) -> tuple[PipelineConfig, str]:
     """The run's config (preset + overrides + run_uri) and its URI; credentials must come from the environment."""
     for item in params.overrides:
         if item.split("=", 1)[0].strip() in SECRET_KEYS:
-            raise ConfigError(f"'{item.split('=', 1)[0]}' cannot be a flow parameter (parameters are stored by "
-                              "Prefect): set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the worker's environment")  # fmt: skip
+            raise ConfigError(
+                f"'{item.split('=', 1)[0]}' cannot be a flow parameter (parameters are stored by Prefect): set "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the worker's environment"
+            )
     run_uri = params.run_uri or f"runs/{params.run_name}"
     if "://" not in run_uri and not Path(run_uri).is_absolute():
         run_uri = str(ROOT / run_uri)
@@ -90,7 +94,7 @@ def _kill_jobs(flow, flow_run, state) -> None:  # Prefect hook signature
 
 
 @flow(name="rlhf-pipeline", log_prints=True, on_cancellation=[_kill_jobs], on_crashed=[_kill_jobs])
-def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
+def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B008 (the UI form's defaults)
     logger = get_run_logger()
     cfg, run_uri = resolve(params)
     store = run_store(cfg)
@@ -113,7 +117,12 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
         started = time.time()
         task = stage_task(stage, cfg.kind(stage), storage, params.task_retries)
         state = task(run, stage, dict(refs), return_state=True)
-        row = {"stage": stage, "kind": cfg.kind(stage), "state": state.name, "duration_s": round(time.time() - started, 1)}
+        row = {
+            "stage": stage,
+            "kind": cfg.kind(stage),
+            "state": state.name,
+            "duration_s": round(time.time() - started, 1),
+        }
         if state.is_completed():
             refs[stage] = state.result()
             row.update(uri=refs[stage]["uri"], metrics=_key_metrics(refs[stage]["metrics"]))
@@ -155,7 +164,9 @@ def summary_markdown(summary: dict) -> str:
     lines = [f"# RLHF run `{summary['run_name']}`: {summary['state']}", "", f"Artifacts: `{summary['run_uri']}`", "",
              "| stage | state | duration (s) | key metrics | model |", "|---|---|---|---|---|"]  # fmt: skip
     for row in summary["stages"]:
-        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.get("metrics", {}).items())
+        metrics = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.get("metrics", {}).items()
+        )
         lines.append(f"| {row['stage']} | {row['state']} | {row['duration_s']} | {metrics} | `{row.get('uri', '')}` |")
     return "\n".join(lines) + "\n"
 

@@ -75,11 +75,15 @@ class DataConfig:
     eval_path: str | None = opt(None, "Held-out data in the same format; required by the reward-model stage.")
     train_split: str = opt("train", "Split name for hub datasets and DatasetDict folders.")
     eval_split: str = opt("test", "Split name of the held-out data.")
-    max_len: int = opt(512, "Maximum tokens of prompt + response; longer responses are truncated, longer prompts refused.")
+    max_len: int = opt(
+        512, "Maximum tokens of prompt + response; longer responses are truncated, longer prompts refused."
+    )
     max_samples: int | None = opt(None, "Use only the first N training rows.")
     input_key: str = opt("input", "SFT: key of the prompt (a string or a list of chat messages).")
     output_key: str | None = opt("output", "SFT: key of the response; null = input_key holds HH-RLHF transcripts.")
-    prompt_key: str | None = opt("prompt", "Preferences: key of the prompt; null = chosen/rejected are full transcripts.")
+    prompt_key: str | None = opt(
+        "prompt", "Preferences: key of the prompt; null = chosen/rejected are full transcripts."
+    )
     chosen_key: str = opt("chosen", "Preferences: key of the preferred response.")
     rejected_key: str = opt("rejected", "Preferences: key of the rejected response.")
     input_template: str | None = opt(None, "Prompt template with one {} (e.g. 'User: {}\\nAssistant: ').")
@@ -171,8 +175,9 @@ class PPOAlgoConfig:
     kl_coef: float = opt(0.01, "Initial coefficient beta of the token-level KL penalty.")
     kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator: k1 = d, k2 = d^2/2, k3 = e^-d - 1 + d.")
     kl_target: float | None = opt(
-        None, "Target KL for the adaptive controller, as the token mean over action tokens (OpenRLHF's units); "
-        "null = fixed coefficient."
+        None,
+        "Target KL for the adaptive controller, as the token mean over action tokens (OpenRLHF's units); "
+        "null = fixed coefficient.",
     )
     kl_horizon: int = opt(10000, "Horizon of the adaptive KL controller.")
     gamma: float = opt(1.0, "GAE discount.")
@@ -256,7 +261,7 @@ STAGE_KINDS: dict[str, StageKind] = {
     for k in (
         StageKind("sft", SFTConfig, "rlhf_core.jobs.sft", "Supervised fine-tuning of a causal LM.",
                   frozenset(_PREFERENCE_KEYS)),
-        StageKind("reward_model", RewardModelConfig, "rlhf_core.jobs.reward_model", "Reward model on preference pairs.",
+        StageKind("reward_model", RewardModelConfig, "rlhf_core.jobs.reward_model", "Reward model on preferences.",
                   frozenset(("data.input_key", "data.output_key"))),
         StageKind("critic_init", CriticInitConfig, "rlhf_core.jobs.critic_init", "Critic = copy of a reward model.",
                   frozenset(("model.init_seed",))),
@@ -294,8 +299,9 @@ class PipelineConfig:
     run_uri: str = required("Where the run's artifacts go: a local path, file://... or s3://bucket/prefix.")
     storage: StorageConfig = opt(StorageConfig(), "Object-store credentials and endpoint.")
     stages: dict[str, StageSpec] = opt(
-        {}, "Named stage instances: stages.<name>.kind (sft, reward_model, critic_init, critic_warmup, ppo; default: "
-        "the name) and that kind's section. stage:<name> model paths form the dependency graph."
+        {},
+        "Named stage instances: stages.<name>.kind (sft, reward_model, critic_init, critic_warmup, ppo; default: "
+        "the name) and that kind's section. stage:<name> model paths form the dependency graph.",
     )
 
     def stage(self, name: str) -> Any:
@@ -398,9 +404,7 @@ def _build_stage(name: str, entry: Any) -> StageSpec:
         close = difflib.get_close_matches(str(kind), STAGE_KINDS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         what = f"unknown kind {kind!r}" if kind is not None else "no kind"
-        raise ConfigError(
-            f"stage '{name}' has {what}: set '{name}.kind' to one of {', '.join(STAGE_KINDS)}{hint}"
-        )
+        raise ConfigError(f"stage '{name}' has {what}: set '{name}.kind' to one of {', '.join(STAGE_KINDS)}{hint}")
     for key in sorted(kind_spec.unused):
         node: Any = entry
         for part in key.split("."):
@@ -556,7 +560,9 @@ def _validate_training(name: str, stage: Any) -> None:
             f"of micro_train_batch_size x num_workers = {t.micro_train_batch_size} x {s.num_workers} = {per_step}"
         )
     if d.input_template is not None and d.input_template.count("{}") != 1:
-        raise ConfigError(f"invalid value {d.input_template!r} for '{name}.data.input_template': needs exactly one {{}}")
+        raise ConfigError(
+            f"invalid value {d.input_template!r} for '{name}.data.input_template': needs exactly one {{}}"
+        )
 
 
 def _validate_ppo(name: str, p: PPOConfig) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -39,7 +40,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Manifest":
+    def from_json(cls, text: str | bytes) -> Manifest:
         d = json.loads(text)
         files = d["files"]
         if not isinstance(files, dict) or not all(
@@ -47,8 +48,14 @@ class Manifest:
             for v in files.values()
         ):
             raise ValueError("'files' must map relpath -> {size: int, sha256: str}")
-        return cls(stage=d["stage"], config_hash=d["config_hash"], files=files, metrics=d.get("metrics") or {},
-                   created_at=d.get("created_at", ""), extra=d.get("extra") or {})
+        return cls(
+            stage=d["stage"],
+            config_hash=d["config_hash"],
+            files=files,
+            metrics=d.get("metrics") or {},
+            created_at=d.get("created_at", ""),
+            extra=d.get("extra") or {},
+        )
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -186,11 +193,25 @@ class ObjectStore:
         self.fs.invalidate_cache()
         return entries
 
-    def commit(self, rel: str, *, stage: str, config_hash: str, files: dict[str, dict],
-               metrics: dict | None = None, extra: dict | None = None) -> Manifest:
+    def commit(
+        self,
+        rel: str,
+        *,
+        stage: str,
+        config_hash: str,
+        files: dict[str, dict],
+        metrics: dict | None = None,
+        extra: dict | None = None,
+    ) -> Manifest:
         """Write manifest.json after checking every listed file exists remotely with the right size."""
-        m = Manifest(stage=stage, config_hash=config_hash, files=dict(files), metrics=dict(metrics or {}),
-                     created_at=datetime.now(timezone.utc).isoformat(), extra=dict(extra or {}))
+        m = Manifest(
+            stage=stage,
+            config_hash=config_hash,
+            files=dict(files),
+            metrics=dict(metrics or {}),
+            created_at=datetime.now(UTC).isoformat(),
+            extra=dict(extra or {}),
+        )
         if MANIFEST_NAME in m.files:
             raise ArtifactError(f"{self.uri(rel)}: '{MANIFEST_NAME}' cannot be listed as a file")
         self._verify(rel, m, hash_remote=False)
@@ -200,8 +221,17 @@ class ObjectStore:
         self.fs.invalidate_cache()
         return m
 
-    def put_artifact(self, local_dir: str | os.PathLike, rel: str, *, stage: str, config_hash: str,
-                     metrics: dict | None = None, extra: dict | None = None, clear: bool = True) -> Manifest:
+    def put_artifact(
+        self,
+        local_dir: str | os.PathLike,
+        rel: str,
+        *,
+        stage: str,
+        config_hash: str,
+        metrics: dict | None = None,
+        extra: dict | None = None,
+        clear: bool = True,
+    ) -> Manifest:
         """Upload local_dir to rel and commit it: manifest removed first, written last."""
         self.prepare(rel, clear=clear)
         files = self.upload_files(local_dir, rel)
@@ -211,7 +241,7 @@ class ObjectStore:
         base = self._path(rel).rstrip("/") + "/"
         self.fs.invalidate_cache()
         found = self.fs.find(base.rstrip("/"), detail=True)
-        return {name[len(base):]: int(info["size"]) for name, info in found.items() if name.startswith(base)}
+        return {name[len(base) :]: int(info["size"]) for name, info in found.items() if name.startswith(base)}
 
     def _remote_sha256(self, path: str) -> str:
         h = hashlib.sha256()
@@ -226,11 +256,14 @@ class ObjectStore:
             if name not in sizes:
                 raise ArtifactError(f"{self.uri(rel)}: missing file {name!r}")
             if sizes[name] != ent["size"]:
-                raise ArtifactError(f"{self.uri(rel)}: file {name!r} size mismatch "
-                                    f"(manifest {ent['size']}, found {sizes[name]})")
+                raise ArtifactError(
+                    f"{self.uri(rel)}: file {name!r} size mismatch (manifest {ent['size']}, found {sizes[name]})"
+                )
             if hash_remote and (got := self._remote_sha256(self._path(rel, name))) != ent["sha256"]:
-                raise ArtifactError(f"{self.uri(rel)}: file {name!r} sha256 mismatch "
-                                    f"(manifest {ent['sha256'][:12]}..., found {got[:12]}...)")
+                raise ArtifactError(
+                    f"{self.uri(rel)}: file {name!r} sha256 mismatch "
+                    f"(manifest {ent['sha256'][:12]}..., found {got[:12]}...)"
+                )
 
     def read_manifest(self, rel: str, verify: bool = True) -> Manifest:
         """Read rel's manifest; with verify, check every file's presence, size and sha256."""
@@ -270,14 +303,22 @@ class ObjectStore:
             except FileNotFoundError:
                 raise ArtifactError(f"{self.uri(rel)}: missing file {name!r}") from None
             if (got := sha256_file(dest)) != ent["sha256"]:
-                raise ArtifactError(f"{self.uri(rel)}: file {name!r} sha256 mismatch after download "
-                                    f"(manifest {ent['sha256'][:12]}..., got {got[:12]}...)")
+                raise ArtifactError(
+                    f"{self.uri(rel)}: file {name!r} sha256 mismatch after download "
+                    f"(manifest {ent['sha256'][:12]}..., got {got[:12]}...)"
+                )
         (out / MANIFEST_NAME).write_text(m.to_json())
         return m
 
 
-def storage_options_for(uri: str, *, endpoint_url: str | None = None, key: str | None = None,
-                        secret: str | None = None, region: str | None = None) -> dict:
+def storage_options_for(
+    uri: str,
+    *,
+    endpoint_url: str | None = None,
+    key: str | None = None,
+    secret: str | None = None,
+    region: str | None = None,
+) -> dict:
     """s3fs options for s3:// URIs (explicit values, else AWS_* env vars); {} for other schemes."""
     if not str(uri).startswith(("s3://", "s3a://")):
         return {}

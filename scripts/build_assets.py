@@ -130,15 +130,54 @@ What's your name? My name is Sam.
 I can't wait for the weekend.
 """
 
-_SUBJECTS = ("I", "You", "We", "They", "He", "She", "My friend", "The teacher",
-             "Our neighbor", "The children", "Everyone", "Nobody")
-_VERBS = ("like", "see", "visit", "remember", "love", "watch", "find", "need",
-          "want", "know", "hear about", "talk about")
-_TIMES = ("today", "yesterday", "every day", "on Sunday", "in the morning",
-          "at night", "last week", "this year", "sometimes", "again")
-_QUESTIONS = ("What do you think about the {t}?", "Have you ever seen the {t}?",
-              "Where is the {t}?", "Why do people like the {t}?",
-              "Is the {t} {a} today?", "How was the {t} {w}?")
+_SUBJECTS = (
+    "I",
+    "You",
+    "We",
+    "They",
+    "He",
+    "She",
+    "My friend",
+    "The teacher",
+    "Our neighbor",
+    "The children",
+    "Everyone",
+    "Nobody",
+)
+_VERBS = (
+    "like",
+    "see",
+    "visit",
+    "remember",
+    "love",
+    "watch",
+    "find",
+    "need",
+    "want",
+    "know",
+    "hear about",
+    "talk about",
+)
+_TIMES = (
+    "today",
+    "yesterday",
+    "every day",
+    "on Sunday",
+    "in the morning",
+    "at night",
+    "last week",
+    "this year",
+    "sometimes",
+    "again",
+)
+_QUESTIONS = (
+    "What do you think about the {t}?",
+    "Have you ever seen the {t}?",
+    "Where is the {t}?",
+    "Why do people like the {t}?",
+    "Is the {t} {a} today?",
+    "How was the {t} {w}?",
+)
 _CONNECT = ("and", "but", "so", "because", "although", "while")
 
 
@@ -156,8 +195,10 @@ def _generated_sentences(rng: random.Random, n: int) -> list[str]:
         elif kind == 1:
             s = rng.choice(_QUESTIONS).format(t=t, a=a, w=w)
         elif kind == 2:
-            s = (f"The {t} was {a} {w}, {rng.choice(_CONNECT)} the "
-                 f"{rng.choice(synthetic.TOPICS)} was {rng.choice(adjectives)}.")
+            s = (
+                f"The {t} was {a} {w}, {rng.choice(_CONNECT)} the "
+                f"{rng.choice(synthetic.TOPICS)} was {rng.choice(adjectives)}."
+            )
         else:
             s = f"{rng.randint(1, 99)} people said the {t} is {a}!"
         out.append(s)
@@ -170,9 +211,7 @@ def write_data(seed: int = 0) -> dict[str, Path]:
     return synthetic.generate(DATA_DIR, seed=seed)
 
 
-def build_corpus(
-    paths: dict[str, Path], n_generated: int = 400, max_rows_per_split: int = 1000
-) -> list[str]:
+def build_corpus(paths: dict[str, Path], n_generated: int = 400, max_rows_per_split: int = 1000) -> list[str]:
     """Deduplicated synthetic texts (first-seen order) plus generic English."""
     lines: list[str] = []
     seen: set[str] = set()
@@ -260,20 +299,31 @@ def check(lines: list[str]) -> dict:
         assert ids[0] == tok.bos_token_id, line
         back = tok.decode(ids, skip_special_tokens=True)
         assert back == line, (line, back)
-    msgs = [{"role": "user", "content": "Write a sentence about the garden."},
-            {"role": "assistant", "content": "The garden is good."}]
+    msgs = [
+        {"role": "user", "content": "Write a sentence about the garden."},
+        {"role": "assistant", "content": "The garden is good."},
+    ]
     text = tok.apply_chat_template(msgs, tokenize=False)
-    assert text == ("<|user|>Write a sentence about the garden.\n"
-                    "<|assistant|>The garden is good.<|eos|>\n"), repr(text)
+    assert text == ("<|user|>Write a sentence about the garden.\n<|assistant|>The garden is good.<|eos|>\n"), repr(
+        text
+    )
     gen = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
     assert gen.endswith("\n<|assistant|>"), repr(gen)
 
-    rows = [json.loads(l) for l in open(DATA_DIR / "sft_train.jsonl", encoding="utf-8")]
+    rows = [json.loads(line) for line in (DATA_DIR / "sft_train.jsonl").read_text(encoding="utf-8").splitlines()]
     p_len = [len(tok(r["input"], add_special_tokens=False)["input_ids"]) for r in rows]
     r_len = [len(tok(r["output"], add_special_tokens=False)["input_ids"]) for r in rows]
-    full = [len(tok(tok.apply_chat_template(
-        [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}],
-        tokenize=False))["input_ids"]) for r in rows]
+    full = [
+        len(
+            tok(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}],
+                    tokenize=False,
+                )
+            )["input_ids"]
+        )
+        for r in rows
+    ]
     assert max(full) < 64, max(full)
     stats = {
         "vocab_size": len(tok),

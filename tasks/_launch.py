@@ -3,14 +3,17 @@
 The job (``python -m rlhf_core.jobs.<kind> --stage <name>``) starts in its own session; its output (Ray workers'
 logs included: Ray forwards them to the driver) streams line by line into the Prefect run log. Progress and the
 result come as structured events (``rlhf_core.events``: JSON lines in a file named by ``RLHF_EVENTS_FILE``), never
-from the log text: ``step`` events move a progress callback, the ``result`` event carries the stage's reference. On a timeout, a failure of this process, cancellation (Prefect raises in the flow's main
-thread) or a crash hook, the whole process tree is stopped: SIGTERM, then SIGKILL after a grace period, found
-through the process tree (psutil) and the job's process group, so Ray's GCS, raylet, workers and vLLM engines go
-too. Every launch is recorded under ``<run_uri>/_launches/``, which is how tests count them.
+from the log text: ``step`` events move a progress callback, the ``result`` event carries the stage's reference.
+
+On a timeout, a failure of this process, cancellation (Prefect raises in the flow's main thread) or a crash hook,
+the whole process tree is stopped: SIGTERM, then SIGKILL after a grace period, found through the process tree
+(psutil) and the job's process group, so Ray's GCS, raylet, workers and vLLM engines go too.
+Every launch is recorded under ``<run_uri>/_launches/``, which is how tests count them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,8 +21,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
@@ -60,14 +63,10 @@ def kill_tree(pid: int, grace_s: float = 10.0) -> list[int]:
 def _signal(procs: list[psutil.Process], group: int, sig: int) -> None:
     """Send ``sig`` to each process and to the process group ``group`` (the job's session)."""
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(group, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def kill_all_jobs() -> None:
@@ -98,7 +97,9 @@ def launch_stage(
         start_new_session=True,
     )  # fmt: skip
     _LIVE[proc.pid] = proc
-    store.write_json(f"_launches/{stage}-{time.time_ns()}.json", {"stage": stage, "pid": proc.pid, "time": time.time()})
+    store.write_json(
+        f"_launches/{stage}-{time.time_ns()}.json", {"stage": stage, "pid": proc.pid, "time": time.time()}
+    )
     tail: list[str] = []
     results: list[dict] = []
     finished = threading.Event()

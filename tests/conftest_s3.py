@@ -6,8 +6,8 @@ Register with ``pytest_plugins = ["tests.conftest_s3"]`` in tests/conftest.py (o
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 
@@ -43,8 +43,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3ServerInfo
     try:
         endpoint = server.start(tmp, cfg, key=key, secret=secret)
         bucket = "test-bucket"
-        fs = s3fs.S3FileSystem(key=key, secret=secret, client_kwargs={"endpoint_url": endpoint},
-                               skip_instance_cache=True)
+        fs = s3fs.S3FileSystem(
+            key=key, secret=secret, client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True
+        )
         fs.mkdir(bucket)
         yield S3ServerInfo(endpoint_url=endpoint, key=key, secret=secret, bucket=bucket, server=server)
     finally:

@@ -39,8 +39,15 @@ def free_ports(n: int) -> list[int]:
 
 def identity_config(path: str | os.PathLike, key: str, secret: str, name: str = "admin") -> str:
     """Write an ``-s3.config`` identities file granting key/secret full access; return its path."""
-    cfg = {"identities": [{"name": name, "credentials": [{"accessKey": key, "secretKey": secret}],
-                           "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    cfg = {
+        "identities": [
+            {
+                "name": name,
+                "credentials": [{"accessKey": key, "secretKey": secret}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
     Path(path).write_text(json.dumps(cfg))
     os.chmod(path, 0o600)
     return str(path)
@@ -62,8 +69,14 @@ class SeaweedS3:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def start(self, tmpdir: str | os.PathLike, config_json_path: str | os.PathLike | None = None,
-              timeout_s: float = 60.0, key: str | None = None, secret: str | None = None) -> str:
+    def start(
+        self,
+        tmpdir: str | os.PathLike,
+        config_json_path: str | os.PathLike | None = None,
+        timeout_s: float = 60.0,
+        key: str | None = None,
+        secret: str | None = None,
+    ) -> str:
         """Start the server; return the S3 endpoint URL once it answers an authenticated request.
 
         key/secret are used only for the readiness probe (needed when config_json_path sets identities)."""
@@ -72,19 +85,34 @@ class SeaweedS3:
         data.mkdir(parents=True, exist_ok=True)
         self.log_path = tmp / "weed.log"
         s3, master, volume, filer, s3g, masterg, volumeg, filerg = free_ports(8)
-        cmd = [self.weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3g}",
-               f"-master.port={master}", f"-master.port.grpc={masterg}",
-               f"-volume.port={volume}", f"-volume.port.grpc={volumeg}",
-               f"-filer.port={filer}", f"-filer.port.grpc={filerg}",
-               "-s3.port.iceberg=0", "-s3.port.lance=0",  # default to fixed ports 8181/9101
-               "-volume.max=32", "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0"]
+        cmd = [
+            self.weed,
+            "server",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-s3",
+            f"-s3.port={s3}",
+            f"-s3.port.grpc={s3g}",
+            f"-master.port={master}",
+            f"-master.port.grpc={masterg}",
+            f"-volume.port={volume}",
+            f"-volume.port.grpc={volumeg}",
+            f"-filer.port={filer}",
+            f"-filer.port.grpc={filerg}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",  # default to fixed ports 8181/9101
+            "-volume.max=32",
+            "-master.volumeSizeLimitMB=64",
+            "-volume.preStopSeconds=0",
+        ]
         if config_json_path:
             cmd.append(f"-s3.config={config_json_path}")
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         atexit.register(self.stop)  # never leave a server behind if the test session dies early
         endpoint = f"http://127.0.0.1:{s3}"
         last_err: Exception | None = None
@@ -100,17 +128,22 @@ class SeaweedS3:
                 last_err = e
                 time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"SeaweedFS S3 not ready after {timeout_s:.0f}s ({type(last_err).__name__}: "
-                           f"{last_err}); log tail:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"SeaweedFS S3 not ready after {timeout_s:.0f}s ({type(last_err).__name__}: "
+            f"{last_err}); log tail:\n{self.log_tail()}"
+        )
 
     @staticmethod
     def _probe(endpoint: str, key: str | None, secret: str | None) -> None:
         import s3fs  # local import: only needed for S3 tests
 
-        fs = s3fs.S3FileSystem(key=key or "probe", secret=secret or "probe", skip_instance_cache=True,
-                               client_kwargs={"endpoint_url": endpoint},
-                               config_kwargs={"connect_timeout": 2, "read_timeout": 5,
-                                              "retries": {"max_attempts": 1}})
+        fs = s3fs.S3FileSystem(
+            key=key or "probe",
+            secret=secret or "probe",
+            skip_instance_cache=True,
+            client_kwargs={"endpoint_url": endpoint},
+            config_kwargs={"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}},
+        )
         fs.ls("")  # list buckets: a real signed request
 
     def stop(self) -> None:
@@ -125,7 +158,7 @@ class SeaweedS3:
             proc.kill()
             proc.wait(timeout=10)
 
-    def __enter__(self) -> "SeaweedS3":
+    def __enter__(self) -> SeaweedS3:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -62,7 +62,11 @@ def test_no_remote_call_by_method_name_string():
                 first = node.args[0]
                 if node.func.attr in REMOTE_CALLS and isinstance(first, ast.Constant) and isinstance(first.value, str):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}({first.value!r})")
-                if isinstance(node.func, ast.Attribute) and node.func.attr == "remote" and _is_getattr(node.func.value):
+                if (
+                    isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "remote"
+                    and _is_getattr(node.func.value)
+                ):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} getattr(...).remote")
     launcher = ast.parse((ROOT / "rlhf_core" / "distributed" / "launcher.py").read_text())
     offenders += [f"launcher.py:{n.lineno} getattr dispatch" for n in ast.walk(launcher) if _is_getattr(n)]

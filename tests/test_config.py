@@ -17,12 +17,22 @@ def test_tiny_preset_loads_with_stage_sections():
 
 def test_overrides_are_typed_and_win_over_yaml():
     cfg = load_config(TINY, ["sft.optim.lr=1e-4", "sft.strategy.zero_stage=3", "run_uri=s3://b/run"])
-    assert cfg.stage("sft").optim.lr == 1e-4 and cfg.stage("sft").strategy.zero_stage == 3 and cfg.run_uri == "s3://b/run"
+    assert (
+        cfg.stage("sft").optim.lr == 1e-4 and cfg.stage("sft").strategy.zero_stage == 3 and cfg.run_uri == "s3://b/run"
+    )
 
 
 def test_partial_section_keeps_the_stage_defaults():
-    cfg = load_config(None, ["run_uri=/x", "reward_model.model.name_or_path=m", "reward_model.data.train_path=a",
-                             "reward_model.data.eval_path=b", "reward_model.optim.max_norm=0.5"])
+    cfg = load_config(
+        None,
+        [
+            "run_uri=/x",
+            "reward_model.model.name_or_path=m",
+            "reward_model.data.train_path=a",
+            "reward_model.data.eval_path=b",
+            "reward_model.optim.max_norm=0.5",
+        ],
+    )
     assert cfg.stage("reward_model").optim.lr == 9e-6  # the RM's default, not the SFT one
     assert cfg.stage("reward_model").optim.max_norm == 0.5
 

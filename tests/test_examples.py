@@ -27,7 +27,11 @@ def test_chat_template_template_string_and_plain(tok):
     assert render_prompt("hi", tok, cfg_t) == "User: hi\nAssistant: "
     cfg_plain = DataConfig(train_path="x", apply_chat_template=False)
     assert render_prompt("hi", tok, cfg_plain) == "hi"
-    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     assert render_prompt(messages, tok, cfg) == "<|user|>a\n<|assistant|>b<|eos|>\n<|user|>c\n<|assistant|>"
 
 
@@ -64,12 +68,16 @@ def test_hh_style_sft_and_preferences(tmp_path, tok):
 def test_long_response_is_truncated_but_long_prompt_is_refused(tmp_path, tok):
     ids, prompt_len = encode(tok, "hi", "word " * 100, max_len=16, where="w")
     assert len(ids) == 16 and prompt_len == len(tok("hi")["input_ids"])
-    path = write_jsonl(tmp_path / "long.jsonl", [{"input": "ok", "output": "ok"}, {"input": "word " * 50, "output": "x"}])
+    path = write_jsonl(
+        tmp_path / "long.jsonl", [{"input": "ok", "output": "ok"}, {"input": "word " * 50, "output": "x"}]
+    )
     with pytest.raises(DataError, match=r"long.jsonl row 2: the prompt has \d+ tokens but data.max_len is 16"):
         sft_examples(DataConfig(train_path=path, max_len=16), tok)
 
 
 def test_missing_key_names_file_row_and_key(tmp_path, tok):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}]
+    )
     with pytest.raises(DataError, match=r"p.jsonl.*row 2.*'rejected'"):
         preference_examples(DataConfig(train_path=path), tok)

@@ -7,12 +7,13 @@ import pytest
 from rlhf_core.data.loading import DataError, load_rows, require_keys
 
 ROWS = [
-    {"prompt": "Write a sentence about the garden.", "chosen": "The garden is good.",
-     "rejected": "The garden is bad."},
-    {"prompt": "Tell me about the river.", "chosen": "The river is calm.",
-     "rejected": "The river is dark."},
-    {"prompt": "Say something about the cat.", "chosen": "The cat is kind.",
-     "rejected": "The cat is rude."},
+    {
+        "prompt": "Write a sentence about the garden.",
+        "chosen": "The garden is good.",
+        "rejected": "The garden is bad.",
+    },
+    {"prompt": "Tell me about the river.", "chosen": "The river is calm.", "rejected": "The river is dark."},
+    {"prompt": "Say something about the cat.", "chosen": "The cat is kind.", "rejected": "The cat is rude."},
 ]
 
 
@@ -26,8 +27,9 @@ def _write_jsonl(path, rows):
 
 def test_jsonl(tmp_path):
     p = tmp_path / "data.jsonl"
-    p.write_text(json.dumps(ROWS[0]) + "\n\n   \n" + json.dumps(ROWS[1]) + "\n" + json.dumps(ROWS[2]),
-                 encoding="utf-8")
+    p.write_text(
+        json.dumps(ROWS[0]) + "\n\n   \n" + json.dumps(ROWS[1]) + "\n" + json.dumps(ROWS[2]), encoding="utf-8"
+    )
     assert load_rows(str(p)) == ROWS
     assert load_rows(p, max_rows=2) == ROWS[:2]
 
@@ -90,10 +92,12 @@ def test_save_to_disk_dataset_dict(tmp_path):
     import datasets
 
     d = tmp_path / "dd"
-    datasets.DatasetDict({
-        "train": datasets.Dataset.from_list(ROWS[:2]),
-        "test": datasets.Dataset.from_list(ROWS[2:]),
-    }).save_to_disk(str(d))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(ROWS[:2]),
+            "test": datasets.Dataset.from_list(ROWS[2:]),
+        }
+    ).save_to_disk(str(d))
     assert load_rows(str(d)) == ROWS[:2]
     assert load_rows(str(d), split="test") == ROWS[2:]
     with pytest.raises(DataError, match=r"dd: has no split 'validation' \(available: train, test\)"):
@@ -226,8 +230,11 @@ def test_max_rows_validation(tmp_path):
 def test_require_keys_ok_with_strings_and_messages():
     rows = [
         {"prompt": "hi", "chosen": "a", "rejected": "b"},
-        {"prompt": [{"role": "user", "content": "hi"}],
-         "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
+        {
+            "prompt": [{"role": "user", "content": "hi"}],
+            "chosen": [{"role": "assistant", "content": "a"}],
+            "rejected": "b",
+        },
     ]
     assert require_keys(rows, ["prompt", "chosen", "rejected"], "src.jsonl") is rows
 

@@ -49,15 +49,28 @@ def test_the_chain_preset_round_trips_through_its_resolved_yaml(tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("stages:\n  polish:" + SFT.format(model="builtin:tiny"),
-         r"stage 'polish' has no kind: set 'polish.kind' to one of sft, reward_model"),
-        ("stages:\n  sft_a:\n    kind: sfft" + SFT.format(model="builtin:tiny"),
-         r"stage 'sft_a' has unknown kind 'sfft'.*did you mean 'sft'"),
-        ("stages:\n  sft_b:\n    kind: sft" + SFT.format(model="stage:sft_x")
-         + "\n  sft_a:\n    kind: sft" + SFT.format(model="builtin:tiny"),
-         r"'sft_b.model.name_or_path' = stage:sft_x names no stage of this config; did you mean 'stage:sft_a'"),
-        ("stages:\n  a:\n    kind: sft" + SFT.format(model="stage:b") + "\n  b:\n    kind: sft" + SFT.format(model="stage:a"),
-         r"the stages form a cycle \(a -> b -> a\)"),
+        (
+            "stages:\n  polish:" + SFT.format(model="builtin:tiny"),
+            r"stage 'polish' has no kind: set 'polish.kind' to one of sft, reward_model",
+        ),
+        (
+            "stages:\n  sft_a:\n    kind: sfft" + SFT.format(model="builtin:tiny"),
+            r"stage 'sft_a' has unknown kind 'sfft'.*did you mean 'sft'",
+        ),
+        (
+            "stages:\n  sft_b:\n    kind: sft"
+            + SFT.format(model="stage:sft_x")
+            + "\n  sft_a:\n    kind: sft"
+            + SFT.format(model="builtin:tiny"),
+            r"'sft_b.model.name_or_path' = stage:sft_x names no stage of this config; did you mean 'stage:sft_a'",
+        ),
+        (
+            "stages:\n  a:\n    kind: sft"
+            + SFT.format(model="stage:b")
+            + "\n  b:\n    kind: sft"
+            + SFT.format(model="stage:a"),
+            r"the stages form a cycle \(a -> b -> a\)",
+        ),
         ("stages:\n  Bad-Name:\n    kind: sft" + SFT.format(model="builtin:tiny"), r"invalid stage name 'Bad-Name'"),
         ("sft:" + SFT.format(model="builtin:tiny"), r"unknown config key 'sft' at the top level.*go under 'stages:'"),
     ],

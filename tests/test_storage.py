@@ -31,11 +31,12 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
 
 def test_roundtrip(store: ObjectStore, tmp_path: Path) -> None:
     src = make_dir(tmp_path / "src")
-    m = store.put_artifact(src, "models/sft", stage="sft", config_hash="abc", metrics={"loss": 1.5},
-                           extra={"step": 7})
+    m = store.put_artifact(src, "models/sft", stage="sft", config_hash="abc", metrics={"loss": 1.5}, extra={"step": 7})
     assert set(m.files) == {"config.json", "sub/tokenizer.txt", "sub/deeper/weights.bin"}
-    assert m.files["sub/deeper/weights.bin"] == {"size": 1_000_003,
-                                                 "sha256": sha256_file(src / "sub/deeper/weights.bin")}
+    assert m.files["sub/deeper/weights.bin"] == {
+        "size": 1_000_003,
+        "sha256": sha256_file(src / "sub/deeper/weights.bin"),
+    }
     assert store.is_complete("models/sft")
     got = store.read_manifest("models/sft")
     assert got == m and got.extra == {"step": 7} and got.metrics == {"loss": 1.5}
@@ -104,8 +105,9 @@ def test_overwrite_removes_old_files(store: ObjectStore, tmp_path: Path) -> None
 def test_commit_refuses_absent_file(store: ObjectStore, tmp_path: Path) -> None:
     files = store.upload_files(make_dir(tmp_path / "src"), "sharded")  # e.g. rank 1's shard
     with pytest.raises(ArtifactError, match="missing file 'rank0/shard.pt'") as ei:
-        store.commit("sharded", stage="ppo", config_hash="x",
-                     files={**files, "rank0/shard.pt": {"size": 3, "sha256": "0" * 64}})
+        store.commit(
+            "sharded", stage="ppo", config_hash="x", files={**files, "rank0/shard.pt": {"size": 3, "sha256": "0" * 64}}
+        )
     assert store.uri("sharded") in str(ei.value)
     assert not store.exists("sharded/manifest.json")
     bad = dict(files, **{"config.json": {**files["config.json"], "size": 999}})
@@ -117,8 +119,10 @@ def test_commit_refuses_absent_file(store: ObjectStore, tmp_path: Path) -> None:
 
 def test_s3_credentials(s3_server, tmp_path: Path) -> None:
     uri = f"s3://{s3_server.bucket}/cred-{uuid.uuid4().hex[:8]}"
-    wrong = ObjectStore(uri, {"key": s3_server.key, "secret": "not-the-secret",
-                              "client_kwargs": {"endpoint_url": s3_server.endpoint_url}})
+    wrong = ObjectStore(
+        uri,
+        {"key": s3_server.key, "secret": "not-the-secret", "client_kwargs": {"endpoint_url": s3_server.endpoint_url}},
+    )
     with pytest.raises(PermissionError):
         wrong.write_text("x.txt", "nope")
     with pytest.raises(PermissionError):
@@ -145,8 +149,15 @@ def test_memory_and_file_uri(tmp_path: Path) -> None:
 
 
 def test_storage_options_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN"):
+    for var in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_SESSION_TOKEN",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert storage_options_for("s3://b/p") == {}
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKENV")
@@ -154,13 +165,14 @@ def test_storage_options_for(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://generic:1")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     assert storage_options_for("s3://b/p") == {
-        "key": "AKENV", "secret": "SKENV",
-        "client_kwargs": {"endpoint_url": "http://generic:1", "region_name": "eu-west-1"}}
+        "key": "AKENV",
+        "secret": "SKENV",
+        "client_kwargs": {"endpoint_url": "http://generic:1", "region_name": "eu-west-1"},
+    }
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3specific:2")
     assert storage_options_for("s3://b")["client_kwargs"]["endpoint_url"] == "http://s3specific:2"
     explicit = storage_options_for("s3://b", endpoint_url="http://e:3", key="K", secret="S", region="r")
-    assert explicit == {"key": "K", "secret": "S", "client_kwargs": {"endpoint_url": "http://e:3",
-                                                                     "region_name": "r"}}
+    assert explicit == {"key": "K", "secret": "S", "client_kwargs": {"endpoint_url": "http://e:3", "region_name": "r"}}
     assert storage_options_for("/local/path") == {} and storage_options_for("memory://x") == {}
     assert storage_options_for("file:///tmp/x") == {}
 

@@ -65,8 +65,7 @@ def test_gold_reward_ignores_prompt_and_is_bounded():
 
 
 def test_lexicons_disjoint():
-    groups = [set(synthetic.POSITIVE), set(synthetic.NEGATIVE),
-              set(synthetic.NEUTRAL), set(synthetic.TOPICS)]
+    groups = [set(synthetic.POSITIVE), set(synthetic.NEGATIVE), set(synthetic.NEUTRAL), set(synthetic.TOPICS)]
     for i in range(len(groups)):
         for j in range(i + 1, len(groups)):
             assert not groups[i] & groups[j]
@@ -123,12 +122,10 @@ def test_label_noise_train_only_and_gold_gap(small):
 
 
 def test_label_noise_parameter(tmp_path):
-    paths = generate(tmp_path, seed=1, n_sft=(1, 1), n_pref=(200, 10), n_prompts=(1, 1),
-                     label_noise=0.25)
+    paths = generate(tmp_path, seed=1, n_sft=(1, 1), n_pref=(200, 10), n_prompts=(1, 1), label_noise=0.25)
     rows = _read(paths["pref_train"])
     assert sum(r["chosen_gold"] < r["rejected_gold"] for r in rows) == 50
-    paths = generate(tmp_path, seed=1, n_sft=(1, 1), n_pref=(200, 10), n_prompts=(1, 1),
-                     label_noise=0.0)
+    paths = generate(tmp_path, seed=1, n_sft=(1, 1), n_pref=(200, 10), n_prompts=(1, 1), label_noise=0.0)
     assert all(r["chosen_gold"] > r["rejected_gold"] for r in _read(paths["pref_train"]))
 
 
@@ -150,10 +147,12 @@ def test_eval_prompts_use_held_out_combos(small):
         assert len(out) > 0
         return out
 
-    train = combos([r["input"] for r in small["sft_train"]]
-                   + [r["prompt"] for r in small["pref_train"] + small["prompts_train"]])
-    ev = combos([r["input"] for r in small["sft_eval"]]
-                + [r["prompt"] for r in small["pref_eval"] + small["prompts_eval"]])
+    train = combos(
+        [r["input"] for r in small["sft_train"]] + [r["prompt"] for r in small["pref_train"] + small["prompts_train"]]
+    )
+    ev = combos(
+        [r["input"] for r in small["sft_eval"]] + [r["prompt"] for r in small["pref_eval"] + small["prompts_eval"]]
+    )
     assert not train & ev
     assert all(synthetic.is_eval_combo(*c) for c in ev)
 
@@ -170,8 +169,14 @@ def test_bundled_assets_exist_with_format(name, small):
     path = Path(bundled_path(name))
     assert path.is_file(), f"{path} missing: run scripts/build_assets.py"
     rows = _read(path)
-    expected = {"sft_train": 3000, "sft_eval": 300, "pref_train": 3000, "pref_eval": 300,
-                "prompts_train": 1000, "prompts_eval": 200}[name]
+    expected = {
+        "sft_train": 3000,
+        "sft_eval": 300,
+        "pref_train": 3000,
+        "pref_eval": 300,
+        "prompts_train": 1000,
+        "prompts_eval": 200,
+    }[name]
     assert len(rows) == expected
     keys = set(small[name][0])
     assert all(set(r) == keys for r in rows)

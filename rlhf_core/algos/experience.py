@@ -12,8 +12,9 @@ The phases of a PPO step return new batches instead of mutating them, e.g.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Self
+from typing import Self
 
 import torch
 

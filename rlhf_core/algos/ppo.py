@@ -51,9 +51,7 @@ def approx_kl(
     return kl
 
 
-def token_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, action_mask: torch.Tensor, kl_coef: float
-) -> torch.Tensor:
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, action_mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """Dense PPO rewards: a KL penalty on every action token plus the sequence score on the last one.
 
     Args:

@@ -30,8 +30,9 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, Callable, Iterable, Sequence
+from typing import IO, Any
 
 __all__ = ["DataError", "load_rows", "require_keys", "DATA_EXTENSIONS"]
 
@@ -41,8 +42,7 @@ DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 # owner/name or name, as accepted by the hub.
 _HUB_ID_RE = re.compile(r"^(?:[A-Za-z0-9][\w.\-]*/)?[A-Za-z0-9][\w.\-]*$")
-_SPLIT_WORDS = ("train", "training", "test", "testing", "eval", "evaluation",
-                "validation", "valid", "val", "dev")
+_SPLIT_WORDS = ("train", "training", "test", "testing", "eval", "evaluation", "validation", "valid", "val", "dev")
 _DATASET_MARKERS = ("dataset_dict.json", "state.json")
 
 
@@ -98,7 +98,9 @@ def _check_row(obj: Any, source: str, row: int, row_label: str = "row") -> dict:
     if not isinstance(obj, dict):
         raise DataError(
             f"expected a JSON object, got {type(obj).__name__}",
-            source=source, row=row, row_label=row_label,
+            source=source,
+            row=row,
+            row_label=row_label,
         )
     return obj
 
@@ -113,8 +115,9 @@ def _parse_jsonl(lines: Iterable[str], source: str, max_rows: int | None) -> lis
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"invalid JSON ({e.msg} at column {e.colno})",
-                            source=source, row=lineno, row_label="line") from None
+            raise DataError(
+                f"invalid JSON ({e.msg} at column {e.colno})", source=source, row=lineno, row_label="line"
+            ) from None
         rows.append(_check_row(obj, source, lineno, "line"))
     return rows
 
@@ -133,8 +136,7 @@ def _parse_json(text: str, source: str, split: str, max_rows: int | None) -> lis
         else:
             obj = [obj]
     if not isinstance(obj, list):
-        raise DataError(f"expected a JSON list of objects, got {type(obj).__name__}",
-                        source=source)
+        raise DataError(f"expected a JSON list of objects, got {type(obj).__name__}", source=source)
     if max_rows is not None:
         obj = obj[:max_rows]
     return [_check_row(o, source, i) for i, o in enumerate(obj, start=1)]
@@ -148,12 +150,12 @@ def _parse_csv(text_stream: IO[str], source: str, max_rows: int | None) -> list[
             if max_rows is not None and len(rows) >= max_rows:
                 break
             if None in row:
-                raise DataError("more fields than the header has columns",
-                                source=source, row=reader.line_num, row_label="line")
+                raise DataError(
+                    "more fields than the header has columns", source=source, row=reader.line_num, row_label="line"
+                )
             rows.append(dict(row))
     except csv.Error as e:
-        raise DataError(f"invalid CSV ({e})", source=source, row=reader.line_num,
-                        row_label="line") from None
+        raise DataError(f"invalid CSV ({e})", source=source, row=reader.line_num, row_label="line") from None
     return rows
 
 
@@ -176,8 +178,8 @@ def _read_file(
     ext = _data_ext(name)
     if ext is None:
         raise DataError(
-            f"unsupported file type (expected one of {', '.join(DATA_EXTENSIONS)}, "
-            "optionally .gz)", source=source)
+            f"unsupported file type (expected one of {', '.join(DATA_EXTENSIONS)}, optionally .gz)", source=source
+        )
     _, gz = _strip_gz(name)
     try:
         with opener() as raw:
@@ -213,23 +215,22 @@ def _select_split_files(rel_paths: Sequence[str], split: str, source: str) -> li
     data = sorted(p for p in rel_paths if _data_ext(p) is not None)
     if not data:
         raise DataError(
-            f"folder contains no data files ({', '.join(DATA_EXTENSIONS)}) "
-            "and is not a datasets save_to_disk folder", source=source)
+            f"folder contains no data files ({', '.join(DATA_EXTENSIONS)}) and is not a datasets save_to_disk folder",
+            source=source,
+        )
     matching = [p for p in data if split.lower() in _path_words(p)]
     if matching:
         return matching
     if not any(_path_words(p) & set(_SPLIT_WORDS) for p in data):
         return data  # unsplit folder: every file belongs to the requested split
-    raise DataError(f"no data file for split {split!r} (files: {', '.join(data)})",
-                    source=source)
+    raise DataError(f"no data file for split {split!r} (files: {', '.join(data)})", source=source)
 
 
 def _from_hf_dataset(ds: Any, source: str, split: str, max_rows: int | None) -> list[dict]:
     """Rows of a datasets.Dataset, or of ``split`` of a DatasetDict."""
     if _is_dataset_dict(ds):
         if split not in ds:
-            raise DataError(f"has no split {split!r} (available: {', '.join(ds.keys())})",
-                            source=source)
+            raise DataError(f"has no split {split!r} (available: {', '.join(ds.keys())})", source=source)
         ds = ds[split]
     if max_rows is not None:
         ds = ds.select(range(min(max_rows, len(ds))))
@@ -244,8 +245,9 @@ def _is_dataset_dict(obj: Any) -> bool:
     return isinstance(obj, DatasetDict)
 
 
-def _load_from_disk(path: str, source: str, split: str, max_rows: int | None,
-                    storage_options: dict | None) -> list[dict]:
+def _load_from_disk(
+    path: str, source: str, split: str, max_rows: int | None, storage_options: dict | None
+) -> list[dict]:
     import datasets
 
     try:
@@ -274,12 +276,11 @@ def _load_local(path: Path, source: str, split: str, max_rows: int | None) -> li
         if remaining is not None and remaining <= 0:
             break
         f = path / r
-        rows.extend(_read_file(lambda f=f: open(f, "rb"), f.name, str(f), split, remaining))
+        rows.extend(_read_file(lambda f=f: open(f, "rb"), f.name, str(f), split, remaining))  # noqa: SIM115
     return rows
 
 
-def _load_url(url: str, split: str, storage_options: dict | None,
-              max_rows: int | None) -> list[dict]:
+def _load_url(url: str, split: str, storage_options: dict | None, max_rows: int | None) -> list[dict]:
     try:
         import fsspec
     except ImportError:  # pragma: no cover
@@ -303,7 +304,7 @@ def _load_url(url: str, split: str, storage_options: dict | None,
     if any(fs.isfile(f"{base}/{m}") for m in _DATASET_MARKERS):
         return _load_from_disk(url, url, split, max_rows, storage_options)
     files = [f for f in fs.find(base) if fs.isfile(f)]
-    rel = [f[len(base):].lstrip("/") for f in files]
+    rel = [f[len(base) :].lstrip("/") for f in files]
     rel = [r for r in rel if not any(p.startswith(".") for p in r.split("/"))]
     protocol = url.split("://", 1)[0]
     rows: list[dict] = []
@@ -312,26 +313,29 @@ def _load_url(url: str, split: str, storage_options: dict | None,
         if remaining is not None and remaining <= 0:
             break
         full = f"{base}/{r}"
-        rows.extend(_read_file(lambda full=full: fs.open(full, "rb"), PurePosixPath(r).name,
-                               f"{protocol}://{full.lstrip('/')}" if protocol != "file" else full,
-                               split, remaining))
+        rows.extend(
+            _read_file(
+                lambda full=full: fs.open(full, "rb"),
+                PurePosixPath(r).name,
+                f"{protocol}://{full.lstrip('/')}" if protocol != "file" else full,
+                split,
+                remaining,
+            )
+        )
     return rows
 
 
 def _load_hub(name: str, split: str, max_rows: int | None) -> list[dict]:
     prefix = "does not exist locally and the hub dataset could not be loaded"
     if not _HUB_ID_RE.match(name) or _data_ext(name) is not None:
-        raise DataError(
-            "does not exist locally (and is not a Hugging Face hub dataset name)",
-            source=name)
+        raise DataError("does not exist locally (and is not a Hugging Face hub dataset name)", source=name)
     try:
         import datasets
 
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:
         reason = f"{type(e).__name__}: {e}".strip().splitlines()
-        raise DataError(f"{prefix} ({reason[0] if reason else type(e).__name__})",
-                        source=name) from e
+        raise DataError(f"{prefix} ({reason[0] if reason else type(e).__name__})", source=name) from e
     return _from_hf_dataset(ds, name, split, max_rows)
 
 
@@ -360,7 +364,7 @@ def load_rows(
     if _URL_RE.match(src) and not src.lower().startswith("file://"):
         rows = _load_url(src, split, storage_options, max_rows)
     else:
-        local = src[len("file://"):] if src.lower().startswith("file://") else src
+        local = src[len("file://") :] if src.lower().startswith("file://") else src
         path = Path(local).expanduser()
         if path.exists():
             rows = _load_local(path, src, split, max_rows)
@@ -406,8 +410,7 @@ def require_keys(rows: Sequence[dict], keys: Sequence[str], source: str) -> Sequ
         for key in keys:
             if key not in row:
                 present = ", ".join(map(str, row.keys())) or "none"
-                raise DataError(f"missing (row has keys: {present})",
-                                source=source, row=i, key=key)
+                raise DataError(f"missing (row has keys: {present})", source=source, row=i, key=key)
             problem = _value_problem(row[key])
             if problem is not None:
                 raise DataError(f"value {problem}", source=source, row=i, key=key)

@@ -46,8 +46,8 @@ import argparse
 import json
 import random
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 __all__ = [
     "POSITIVE",
@@ -69,32 +69,135 @@ __all__ = [
 ]
 
 POSITIVE: tuple[str, ...] = (
-    "good", "great", "happy", "kind", "bright", "lovely", "calm", "warm",
-    "gentle", "joyful", "wonderful", "pleasant", "cheerful", "sweet", "nice",
-    "friendly", "peaceful", "beautiful", "fine", "glad", "fresh", "clean",
-    "safe", "proud", "brave", "hopeful", "lucky", "delightful", "charming",
+    "good",
+    "great",
+    "happy",
+    "kind",
+    "bright",
+    "lovely",
+    "calm",
+    "warm",
+    "gentle",
+    "joyful",
+    "wonderful",
+    "pleasant",
+    "cheerful",
+    "sweet",
+    "nice",
+    "friendly",
+    "peaceful",
+    "beautiful",
+    "fine",
+    "glad",
+    "fresh",
+    "clean",
+    "safe",
+    "proud",
+    "brave",
+    "hopeful",
+    "lucky",
+    "delightful",
+    "charming",
     "excellent",
 )
 
 NEGATIVE: tuple[str, ...] = (
-    "bad", "sad", "awful", "dark", "cruel", "angry", "ugly", "cold", "harsh",
-    "gloomy", "terrible", "horrible", "nasty", "bitter", "dull", "grim",
-    "lonely", "rude", "sick", "weak", "broken", "dirty", "scary", "unhappy",
-    "boring", "miserable", "painful", "rotten", "dreadful", "mean",
+    "bad",
+    "sad",
+    "awful",
+    "dark",
+    "cruel",
+    "angry",
+    "ugly",
+    "cold",
+    "harsh",
+    "gloomy",
+    "terrible",
+    "horrible",
+    "nasty",
+    "bitter",
+    "dull",
+    "grim",
+    "lonely",
+    "rude",
+    "sick",
+    "weak",
+    "broken",
+    "dirty",
+    "scary",
+    "unhappy",
+    "boring",
+    "miserable",
+    "painful",
+    "rotten",
+    "dreadful",
+    "mean",
 )
 
 NEUTRAL: tuple[str, ...] = (
-    "is", "was", "and", "very", "quite", "a", "the", "of", "with", "near",
-    "today", "always", "often", "seems", "feels", "looks", "in", "on", "at",
-    "by", "my", "our", "this", "that", "some", "still", "also", "just",
-    "really", "so", "here", "there", "now", "then", "again", "morning",
-    "evening", "little", "big", "old",
+    "is",
+    "was",
+    "and",
+    "very",
+    "quite",
+    "a",
+    "the",
+    "of",
+    "with",
+    "near",
+    "today",
+    "always",
+    "often",
+    "seems",
+    "feels",
+    "looks",
+    "in",
+    "on",
+    "at",
+    "by",
+    "my",
+    "our",
+    "this",
+    "that",
+    "some",
+    "still",
+    "also",
+    "just",
+    "really",
+    "so",
+    "here",
+    "there",
+    "now",
+    "then",
+    "again",
+    "morning",
+    "evening",
+    "little",
+    "big",
+    "old",
 )
 
 TOPICS: tuple[str, ...] = (
-    "garden", "river", "city", "music", "winter", "school", "ocean", "forest",
-    "coffee", "dog", "cat", "book", "movie", "train", "mountain", "family",
-    "friend", "market", "rain", "kitchen",
+    "garden",
+    "river",
+    "city",
+    "music",
+    "winter",
+    "school",
+    "ocean",
+    "forest",
+    "coffee",
+    "dog",
+    "cat",
+    "book",
+    "movie",
+    "train",
+    "mountain",
+    "family",
+    "friend",
+    "market",
+    "rain",
+    "kitchen",
 )
 
 TEMPLATES: tuple[str, ...] = (
@@ -113,8 +216,12 @@ MIN_GOLD_GAP = 0.25
 FILE_NAMES: dict[str, str] = {
     name: f"{name}.jsonl"
     for name in (
-        "sft_train", "sft_eval", "pref_train", "pref_eval",
-        "prompts_train", "prompts_eval",
+        "sft_train",
+        "sft_eval",
+        "pref_train",
+        "pref_eval",
+        "prompts_train",
+        "prompts_eval",
     )
 }
 
@@ -136,9 +243,7 @@ def bundled_path(name: str) -> str:
     """
     key = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
     if key not in FILE_NAMES:
-        raise ValueError(
-            f"unknown bundled synthetic split {name!r}; expected one of {sorted(FILE_NAMES)}"
-        )
+        raise ValueError(f"unknown bundled synthetic split {name!r}; expected one of {sorted(FILE_NAMES)}")
     return str(BUNDLED_DIR / FILE_NAMES[key])
 
 
@@ -172,10 +277,7 @@ def is_eval_combo(topic_index: int, template_index: int) -> bool:
 
 def _combos(eval_split: bool) -> list[tuple[int, int]]:
     return [
-        (ti, tj)
-        for ti in range(len(TOPICS))
-        for tj in range(len(TEMPLATES))
-        if is_eval_combo(ti, tj) == eval_split
+        (ti, tj) for ti in range(len(TOPICS)) for tj in range(len(TEMPLATES)) if is_eval_combo(ti, tj) == eval_split
     ]
 
 
@@ -199,10 +301,7 @@ def sample_response(
     n_words = rng.randint(_MIN_WORDS, _MAX_WORDS)
     n_free = n_words - 2  # after "The <topic>"
     n_sent = rng.randint(0, min(max_sentiment, n_free - 1))
-    body = [
-        rng.choice(POSITIVE) if rng.random() < p_positive else rng.choice(NEGATIVE)
-        for _ in range(n_sent)
-    ]
+    body = [rng.choice(POSITIVE) if rng.random() < p_positive else rng.choice(NEGATIVE) for _ in range(n_sent)]
     body += [rng.choice(NEUTRAL) for _ in range(n_free - n_sent)]
     rng.shuffle(body)
     return "The " + topic + " " + " ".join(body) + "."
@@ -240,16 +339,24 @@ def _pref_rows(rng: random.Random, n: int, eval_split: bool, label_noise: float)
     for _ in range(n):
         topic, prompt = _sample_prompt(rng, combos)
         hi, g_hi, lo, g_lo = _pref_pair(rng, topic, prompt)
-        rows.append({
-            "prompt": prompt, "chosen": hi, "rejected": lo,
-            "chosen_gold": round(g_hi, 6), "rejected_gold": round(g_lo, 6),
-        })
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": hi,
+                "rejected": lo,
+                "chosen_gold": round(g_hi, 6),
+                "rejected_gold": round(g_lo, 6),
+            }
+        )
     if not eval_split and label_noise > 0:
         for i in rng.sample(range(n), round(label_noise * n)):
             r = rows[i]
             rows[i] = {
-                "prompt": r["prompt"], "chosen": r["rejected"], "rejected": r["chosen"],
-                "chosen_gold": r["rejected_gold"], "rejected_gold": r["chosen_gold"],
+                "prompt": r["prompt"],
+                "chosen": r["rejected"],
+                "rejected": r["chosen"],
+                "chosen_gold": r["rejected_gold"],
+                "rejected_gold": r["chosen_gold"],
             }
     return rows
 
@@ -311,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--label-noise", type=float, default=0.1,
-                        help="fraction of swapped pairs in pref_train (default 0.1)")
+    parser.add_argument(
+        "--label-noise", type=float, default=0.1, help="fraction of swapped pairs in pref_train (default 0.1)"
+    )
     args = parser.parse_args(argv)
     paths = generate(args.out, seed=args.seed, label_noise=args.label_noise)
     for name, path in paths.items():

@@ -86,5 +86,7 @@ class PolicyActor(TrainableRole):
             return 0.0
         specs = None
         if self.ctx.strategy.zero_stage == 3:
-            specs = [spec_of(n, torch.empty(p.ds_shape, dtype=p.dtype)) for n, p in self.engine.module.named_parameters()]
+            specs = [
+                spec_of(n, torch.empty(p.ds_shape, dtype=p.dtype)) for n, p in self.engine.module.named_parameters()
+            ]
         return sync_weights(self.sender, self.engines, named, specs=specs)

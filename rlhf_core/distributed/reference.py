@@ -22,9 +22,13 @@ class ReferencePolicy:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         tokenizer = load_tokenizer(model_path, tokenizer_path, trust_remote_code=trust_remote_code)
         attn = attn_implementation("auto", device)
-        self.model = build_causal_lm(
-            model_path, tokenizer, seed=init_seed, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code
-        ).to(device).eval()
+        self.model = (
+            build_causal_lm(
+                model_path, tokenizer, seed=init_seed, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code
+            )
+            .to(device)
+            .eval()
+        )
         self.micro, self.device = micro_batch_size, device
         self.temperature = logprob_temperature(temperature)
 

@@ -155,7 +155,12 @@ class VLLMEngine:
         return result
 
     def init_weight_sync(
-        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
         timeout_s: float = 600,
     ) -> list[int]:
         # vLLM runs worker-extension methods by name in its engine process; the name comes from the method object
@@ -295,7 +300,12 @@ class HFGenerateEngine:
         self.model.load_state_dict(state, strict=False)
 
     def init_weight_sync(
-        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
         timeout_s: float = 600,
     ) -> list[int]:
         from rlhf_core.distributed.weight_sync import _make_group
@@ -361,9 +371,7 @@ def create_engines(
             raise ValueError("the HF backend has no tensor parallelism (tensor_parallel_size must be 1)")
         cls, options = HFGenerateEngine, {"num_cpus": num_cpus_per_engine, "num_gpus": 1 if gpus else 0}
     shell = ray.remote(cls)
-    return [
-        shell.options(**options, runtime_env={"env_vars": env}).remote(model_path, **kwargs) for _ in range(count)
-    ]
+    return [shell.options(**options, runtime_env={"env_vars": env}).remote(model_path, **kwargs) for _ in range(count)]
 
 
 def _free_port() -> int:

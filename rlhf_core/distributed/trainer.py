@@ -62,7 +62,8 @@ def checkpoint_rel(stage: str, step: int) -> str:
 
 
 def newest_checkpoint(store: ObjectStore, stage: str, config_hash: str) -> tuple[int, str] | None:
-    """(step, rel) of the newest complete checkpoint made with ``config_hash``; incomplete or foreign ones are skipped."""
+    """(step, rel) of the newest complete checkpoint made with ``config_hash``; incomplete or foreign ones are
+    skipped."""
     for name in sorted(store.list_dirs(f"{stage}/checkpoints"), reverse=True):
         rel = f"{stage}/checkpoints/{name}"
         if not name.startswith("step_") or not store.is_complete(rel):
@@ -159,7 +160,9 @@ class SupervisedTrainer:
     def _save_checkpoint(self, engine: Any, state: dict) -> None:
         ctx, strategy = self.ctx, self.strategy
         rel = checkpoint_rel(ctx.stage, state["step"])
-        files = save_engine_shards(strategy, engine, self.store, rel, self.work / "ckpt", {"trainer_state": dict(state)})
+        files = save_engine_shards(
+            strategy, engine, self.store, rel, self.work / "ckpt", {"trainer_state": dict(state)}
+        )
         if strategy.rank == 0:
             files["trainer_state.json"] = write_entry(self.store, f"{rel}/trainer_state.json", json.dumps(state))
             # The ranks that wrote the shards: a resume with another count is refused (jobs.common.check_resumable).

@@ -103,9 +103,7 @@ class WeightSender:
         self.world_size = world_size
         self.group_name = group_name
         self.backend = backend
-        self._store, self._group = _make_group(
-            master_addr, master_port, 0, world_size, group_name, timeout_s, backend
-        )
+        self._store, self._group = _make_group(master_addr, master_port, 0, world_size, group_name, timeout_s, backend)
         self.last_sync_s = 0.0
 
     def broadcast(
@@ -157,8 +155,14 @@ class WorkerWeightReceiver:
     through ``LLM.collective_rpc``. Names here must not clash with the worker's own attributes (vLLM checks)."""
 
     def init_weight_sync_group(
-        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-        timeout_s: float = 600, backend: str = "gloo",
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        timeout_s: float = 600,
+        backend: str = "gloo",
     ) -> int:
         """Join the weight-sync group as ``rank_offset`` + this worker's rank (its tensor-parallel rank; pipeline
         parallelism is not supported). Blocks until all ranks have joined. Returns the rank taken."""

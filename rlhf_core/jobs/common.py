@@ -7,9 +7,10 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rlhf_core import events
 from rlhf_core.config import STAGE_PREFIX, ConfigError, PipelineConfig, load_config, stage_hash
@@ -19,10 +20,12 @@ from rlhf_core.models.builders import check_model_source
 from rlhf_core.storage import ArtifactError, ObjectStore, storage_options_for
 from rlhf_core.types import CheckpointRef
 
+
 def parse_args(kind: str, argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"python -m rlhf_core.jobs.{kind}",
-        description=f"Run one {kind} stage of a preset alone. Overrides are dotted keys, e.g. {kind}.train.max_steps=10.",
+        description=f"Run one {kind} stage of a preset alone. Overrides are dotted keys, e.g. "
+        f"{kind}.train.max_steps=10.",
     )
     parser.add_argument("--config", required=True, help="YAML preset, e.g. deployments/configs/tiny.yaml")
     parser.add_argument("--stage", help=f"the stage instance to run (default: the preset's only {kind} stage)")
@@ -145,7 +148,8 @@ class StageSetup:
         return StageContext(
             stage=self.stage, run_uri=self.store.root_uri, storage_options=self.store.fs.storage_options,
             config_hash=self.config_hash, model_path=self.model_path, tokenizer_path=s.model.tokenizer,
-            init_seed=s.model.init_seed, trust_remote_code=s.model.trust_remote_code, strategy=s.strategy, optim=s.optim, train=s.train, work_dir=self.work,
+            init_seed=s.model.init_seed, trust_remote_code=s.model.trust_remote_code, strategy=s.strategy,
+            optim=s.optim, train=s.train, work_dir=self.work,
             fail_after_step=fail_after_step(), upstream=self.upstream,
         )  # fmt: skip
 

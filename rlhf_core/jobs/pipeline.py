@@ -14,13 +14,14 @@ import argparse
 import importlib
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rlhf_core.config import STAGE_KINDS, ConfigError, PipelineConfig, load_config
 from rlhf_core.data.loading import DataError
 from rlhf_core.models.builders import ModelPathError
 from rlhf_core.storage import ArtifactError
 from rlhf_core.types import CheckpointRef
+
 
 def runner(kind: str) -> Callable[[PipelineConfig, str], CheckpointRef]:
     """The ``run(cfg, stage_name)`` of a stage kind's job module (``STAGE_KINDS[kind].job``)."""

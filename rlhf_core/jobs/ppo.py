@@ -389,7 +389,9 @@ class PPOController:
             out["kl_to_ref"] = (kl * mask).sum(1).mean().item()
         if self.gold is not None:
             texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-            prompts = [e["prompt"] if isinstance(e["prompt"], str) else json.dumps(e["prompt"]) for e in self.eval_prompts]
+            prompts = [
+                e["prompt"] if isinstance(e["prompt"], str) else json.dumps(e["prompt"]) for e in self.eval_prompts
+            ]
             out["gold_reward"] = sum(self.gold(pr, tx) for pr, tx in zip(prompts, texts)) / count
         return out
 
@@ -484,7 +486,9 @@ class PPOController:
             state["episode"] = state["consumed_prompts"] // len(self.prompts)
             state["history"].append({"step": step + 1, "prompts": indices, "actor_frozen": actor_frozen, **logs})
             if (step + 1) % t.log_steps == 0 or step + 1 == self.steps:
-                print(f"[{stage}] step {step + 1}/{self.steps} {_fmt(logs)} ({time.time() - started:.1f}s)", flush=True)
+                print(
+                    f"[{stage}] step {step + 1}/{self.steps} {_fmt(logs)} ({time.time() - started:.1f}s)", flush=True
+                )
                 events.step(stage, step + 1, self.steps, logs)
             if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < self.steps:
                 self.save_checkpoint(state)

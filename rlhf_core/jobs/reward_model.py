@@ -32,7 +32,12 @@ class RewardModelImpl:
 
     def build_model(self, ctx: StageContext, tokenizer, dtype: torch.dtype, attn: str) -> torch.nn.Module:
         hf = build_scalar_model(
-            ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn, trust_remote_code=ctx.trust_remote_code
+            ctx.model_path,
+            tokenizer,
+            seed=ctx.init_seed,
+            dtype=dtype,
+            attn=attn,
+            trust_remote_code=ctx.trust_remote_code,
         )
         return ScalarHeadModel(hf)
 
@@ -81,7 +86,9 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
 
     # 2. data, tokenized and checked before any worker starts
     section, options = st.section, st.store.fs.storage_options
-    tokenizer = load_tokenizer(st.model_path, section.model.tokenizer, trust_remote_code=section.model.trust_remote_code)
+    tokenizer = load_tokenizer(
+        st.model_path, section.model.tokenizer, trust_remote_code=section.model.trust_remote_code
+    )
     train = preference_examples(section.data, tokenizer, "train", options)
     held_out = preference_examples(section.data, tokenizer, "eval", options)
     common.check_steps(stage, section, len(train))

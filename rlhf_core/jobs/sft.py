@@ -28,7 +28,12 @@ KIND = "sft"
 class SFTImpl:
     def build_model(self, ctx: StageContext, tokenizer, dtype: torch.dtype, attn: str) -> torch.nn.Module:
         return build_causal_lm(
-            ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn, trust_remote_code=ctx.trust_remote_code
+            ctx.model_path,
+            tokenizer,
+            seed=ctx.init_seed,
+            dtype=dtype,
+            attn=attn,
+            trust_remote_code=ctx.trust_remote_code,
         )
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -65,7 +70,9 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
 
     # 2. data, tokenized and checked here so that bad rows fail before any worker starts
     section, options = st.section, st.store.fs.storage_options
-    tokenizer = load_tokenizer(st.model_path, section.model.tokenizer, trust_remote_code=section.model.trust_remote_code)
+    tokenizer = load_tokenizer(
+        st.model_path, section.model.tokenizer, trust_remote_code=section.model.trust_remote_code
+    )
     train = sft_examples(section.data, tokenizer, "train", options)
     held_out = sft_examples(section.data, tokenizer, "eval", options) if section.data.eval_path else []
     common.check_steps(stage, section, len(train))

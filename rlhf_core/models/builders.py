@@ -34,7 +34,9 @@ def check_model_source(path: str, key: str, *, trust_remote_code: bool = False) 
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
         if name not in builtin_names():
-            raise ModelPathError(f"'{key}': unknown builtin model '{name}'; choose one of {', '.join(builtin_names())}")
+            raise ModelPathError(
+                f"'{key}': unknown builtin model '{name}'; choose one of {', '.join(builtin_names())}"
+            )
         return
     local = Path(path)
     if local.exists():
@@ -150,7 +152,9 @@ def build_scalar_model(
 def score_head(model: nn.Module) -> nn.Linear:
     head = getattr(model, "score", None)
     if not isinstance(head, nn.Linear):
-        raise ModelPathError(f"{type(model).__name__} has no linear 'score' head; use a *ForSequenceClassification model")
+        raise ModelPathError(
+            f"{type(model).__name__} has no linear 'score' head; use a *ForSequenceClassification model"
+        )
     return head
 
 

@@ -1,5 +1,6 @@
 """A real Prefect server (SQLite) on loopback, a process work pool and a worker, for the whole session."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -42,11 +43,22 @@ def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": url, "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": url,
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+    }
     log = home / "server.log"
-    proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_healthy(url, proc, log)
         from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
@@ -72,17 +84,25 @@ def work_pool(prefect_server):
     """A process work pool and a worker polling it."""
     env = prefect_server["env"]
     pool = "rlhf-test"
-    subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process"], env=env, check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     log = prefect_server["home"] / "worker.log"
-    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--limit", "2"], env=env,
-                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--limit", "2"],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     time.sleep(3)
     if worker.poll() is not None:
         raise RuntimeError(f"prefect worker exited:\n{log.read_text()[-3000:]}")
     yield {"pool": pool, "worker_log": log}
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(worker.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
     kill_tree(worker.pid, grace_s=5)

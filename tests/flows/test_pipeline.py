@@ -148,8 +148,8 @@ def test_changing_the_reward_model_config_reruns_it_and_what_follows(failed_then
 def test_single_stage_run_reads_upstream_outputs_from_the_run(failed_then_resumed):
     run_dir, params, *_ = failed_then_resumed
     before = len(launches(run_dir))
-    summary = rlhf_pipeline(params.model_copy(update={"stages": ["ppo"], "overrides": [*params.overrides,
-                                                                                      "ppo.train.max_steps=2"]}))  # fmt: skip
+    overrides = [*params.overrides, "ppo.train.max_steps=2"]
+    summary = rlhf_pipeline(params.model_copy(update={"stages": ["ppo"], "overrides": overrides}))
     assert states(summary) == {"ppo": "Completed"}
     assert launches(run_dir)[before:] == ["ppo"]
 

@@ -33,6 +33,12 @@ def ppo_inputs(sft_run):
     """SFT -> reward model -> critic init -> critic warm-up in one run directory (stages already done are reused)."""
     run_dir = sft_run[0]
     cfg = cfg_for(run_dir, *UPSTREAM)
-    refs = {name: job.run(cfg) for name, job in
-            (("reward_model", reward_model), ("critic_init", critic_init), ("critic_warmup", critic_warmup))}
+    refs = {
+        name: job.run(cfg)
+        for name, job in (
+            ("reward_model", reward_model),
+            ("critic_init", critic_init),
+            ("critic_warmup", critic_warmup),
+        )
+    }
     return run_dir, refs

@@ -55,8 +55,10 @@ def test_malformed_jsonl_line(tmp_path, no_workers):
 
 def test_prompt_longer_than_max_len(tmp_path, no_workers):
     long_prompt = "Write a sentence about " + "the river and " * 40
-    data = jsonl(tmp_path / "long.jsonl", [json.dumps({"input": "a", "output": "b"}),
-                                           json.dumps({"input": long_prompt, "output": "b"})])
+    data = jsonl(
+        tmp_path / "long.jsonl",
+        [json.dumps({"input": "a", "output": "b"}), json.dumps({"input": long_prompt, "output": "b"})],
+    )
     with pytest.raises(DataError, match=r"long.jsonl row 2: the prompt has \d+ tokens but data.max_len is 64"):
         run_sft(tmp_path, f"sft.data.train_path={data}")
 
@@ -95,9 +97,19 @@ def test_bad_data_leaves_a_finished_stage_intact(tmp_path, no_workers):
 def test_command_line_reports_bad_input_with_status_2(tmp_path):
     data = jsonl(tmp_path / "bad.jsonl", [json.dumps({"input": "a", "output": "b"}), "{oops"])
     result = subprocess.run(
-        [sys.executable, "-m", "rlhf_core.jobs.sft", "--config", str(TINY), f"run_uri={tmp_path / 'run'}",
-         f"sft.data.train_path={data}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "rlhf_core.jobs.sft",
+            "--config",
+            str(TINY),
+            f"run_uri={tmp_path / 'run'}",
+            f"sft.data.train_path={data}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2, result.stderr
     assert "bad.jsonl" in result.stderr and "line 2" in result.stderr

@@ -53,8 +53,13 @@ def test_critic_warmup_trains_the_critic_only(ppo_inputs):
 
 def test_ppo_with_vllm_engine_and_two_zero3_actor_workers(run_dir):
     ref = run_ppo(
-        run_dir, "ppo.rollout.backend=vllm", "ppo.actor_strategy.num_workers=2", "ppo.actor_strategy.zero_stage=3",
-        "ppo.train.max_steps=3", "ppo.train.eval_prompts=16", "ppo.rollout.temperature=0.7",
+        run_dir,
+        "ppo.rollout.backend=vllm",
+        "ppo.actor_strategy.num_workers=2",
+        "ppo.actor_strategy.zero_stage=3",
+        "ppo.train.max_steps=3",
+        "ppo.train.eval_prompts=16",
+        "ppo.rollout.temperature=0.7",
     )
     m = ref.metrics
     assert m["steps"] == 3

@@ -42,10 +42,19 @@ def test_sft_zero2_two_workers(sft_run):
     assert sorted(p.name for p in (run_dir / "sft" / "checkpoints").iterdir()) == ["step_00000008", "step_00000012"]
 
 
-@pytest.mark.parametrize("offload, recompute", [(False, True), (True, False)], ids=["zero3-grad-ckpt", "zero3-offload"])
+@pytest.mark.parametrize(
+    "offload, recompute", [(False, True), (True, False)], ids=["zero3-grad-ckpt", "zero3-offload"]
+)
 def test_sft_zero3_two_workers(tmp_path, ray_cluster, sft_run, offload, recompute):
-    ref = sft.run(cfg_for(tmp_path, *SFT_2W, "sft.strategy.zero_stage=3", f"sft.strategy.offload_optimizer={offload}",
-                          f"sft.strategy.gradient_checkpointing={recompute}"))
+    ref = sft.run(
+        cfg_for(
+            tmp_path,
+            *SFT_2W,
+            "sft.strategy.zero_stage=3",
+            f"sft.strategy.offload_optimizer={offload}",
+            f"sft.strategy.gradient_checkpointing={recompute}",
+        )
+    )
     assert_trained(tmp_path, ref)
     # Same data order, same seed, fp32: ZeRO-3 (with offload or recomputation) learns what ZeRO-2 learns.
     baseline = weights(sft_run[0], "sft")
