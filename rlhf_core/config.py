@@ -266,7 +266,8 @@ STAGE_KINDS: dict[str, StageKind] = {
         StageKind("critic_init", CriticInitConfig, "rlhf_core.jobs.critic_init", "Critic = copy of a reward model.",
                   frozenset(("model.init_seed",))),
         StageKind("critic_warmup", PPOConfig, "rlhf_core.jobs.critic_warmup", "PPO loop with the actor frozen.",
-                  _PROMPT_ONLY | {"train.freeze_actor_steps", "train.save_critic", *_ACTOR_OPTIM}),
+                  _PROMPT_ONLY | {"train.freeze_actor_steps", "train.save_critic", "algo.eps_clip",
+                                  "algo.whiten_advantages", "actor_strategy.gradient_checkpointing", *_ACTOR_OPTIM}),
         StageKind("ppo", PPOConfig, "rlhf_core.jobs.ppo", "Ray-distributed PPO.", _PROMPT_ONLY),
     )
 }  # fmt: skip

@@ -194,14 +194,16 @@ class HFGenerateEngine:
 
     def __init__(
         self, model_path: str, *, dtype: str = "float32", seed: int = 0, tokenizer: str | None = None,
-        trust_remote_code: bool = False,
+        trust_remote_code: bool = False, init_seed: int = 0,
     ):  # fmt: skip
+        """``seed``: the base of the sampling seeds; ``init_seed``: the build seed of a ``builtin:`` model (the
+        actor's ``init_seed``, so that engine and actor start from the same weights)."""
         from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(model_path, tokenizer, trust_remote_code=trust_remote_code)
         self.model = build_causal_lm(
-            model_path, self.tokenizer, seed=seed, dtype=to_dtype(dtype), attn="sdpa",
+            model_path, self.tokenizer, seed=init_seed, dtype=to_dtype(dtype), attn="sdpa",
             trust_remote_code=trust_remote_code,
         )  # fmt: skip
         if torch.cuda.is_available():  # a Ray actor given a GPU sees exactly that one

@@ -279,6 +279,8 @@ class PPOController:
         kwargs["dtype"] = dtype
         if p.rollout.backend == "vllm":
             kwargs.update(max_model_len=p.data.max_len + p.rollout.max_new_tokens, kv_cache_gib=p.rollout.kv_cache_gib)
+        else:  # a builtin: actor is built, not loaded: the engine must build it with the actor's seed
+            kwargs["init_seed"] = p.actor.init_seed
         return kwargs
 
     def shutdown(self) -> None:

@@ -1,0 +1,1342 @@
+"""Every documented config key changes what the code does.
+
+The documented keys are the rows of ``describe(PipelineConfig)``. ``EFFECTS`` maps each of them to a ``Probe``: the
+overrides that change it and a function that runs the code path consuming the key and returns what that code
+produced (examples, a DeepSpeed config, an LR curve, a built model, a job's checkpoints, ...). The test loads the tiny
+preset twice, without and with the change, runs the probe on both and asserts that the observables differ (and, where
+a probe says so, that they changed as expected). ``test_every_documented_key_has_a_probe`` keeps the table complete:
+a new key without a probe fails it.
+
+Keys that a stage kind declares unused (``StageKind.unused``) are not documented; ``test_unused_keys_are_refused``
+shows that setting one is refused, naming the key.
+
+Probes that need Ray/DeepSpeed (job runs, worker groups, engines, the PPO roles) are marked slow. The PPO roles run
+in this process on a one-rank DeepSpeed world: ``PPOController.start()`` (or the whole ``ppo.run``) with Ray's
+transport swapped for in-process calls (``in_process_roles``), so that what is observed is what the controller gave
+each role and what the real role classes built and computed from it. Keys that only act inside a job's loop share
+one job run per distinct config (the cache ignores the run directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import re
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from rlhf_core import events
+from rlhf_core.config import (
+    STAGE_KINDS,
+    ConfigError,
+    OptimConfig,
+    PipelineConfig,
+    StrategyConfig,
+    TrainConfig,
+    describe,
+    load_config,
+    to_dict,
+)
+from rlhf_core.data.examples import preference_examples, sft_examples
+from rlhf_core.data.sampler import global_batch, total_steps
+from rlhf_core.distributed import launcher
+from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
+from rlhf_core.jobs import common, critic_init, reward_model, sft
+from rlhf_core.models.builders import attn_implementation, build_causal_lm, build_scalar_model, load_tokenizer
+from rlhf_core.storage import ObjectStore
+from tests.conftest import ROOT, TINY
+
+DATA = ROOT / "tests" / "data" / "config_keys"  # rows with alternative keys, and split folders (train/test/dev)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The probe table's vocabulary
+
+
+@dataclass(frozen=True)
+class Probe:
+    """``change``: overrides that change the key (``{stage}`` and fixture names like ``{alt_tokenizer}`` are filled
+    in); ``observe(cfg, stage)``: what the consuming code produced; ``base``: overrides for both configs (a fixture
+    data file...); ``expect(before, after)``: the expected change, when cheap to state; ``slow``: needs Ray or
+    DeepSpeed; ``preset``: the preset both configs start from (default: the tiny one)."""
+
+    change: tuple[str, ...]
+    observe: Callable[[PipelineConfig, str], Any]
+    base: tuple[str, ...] = ()
+    expect: Callable[[Any, Any], bool] | None = None
+    slow: bool = False
+    preset: Path = TINY
+
+
+def probe(*change: str, observe, base=(), expect=None, slow=False, preset=TINY) -> Probe:
+    return Probe(tuple(change), observe, tuple(base), expect, slow, preset)
+
+
+def content_key(cfg: PipelineConfig, stage: str) -> str:
+    """The stage's kind and resolved section (not the run directory): configs that compute the same share a key."""
+    return json.dumps([cfg.kind(stage), to_dict(cfg)["stages"][stage]], sort_keys=True, default=str)
+
+
+def outcome(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or the type of the error it raised (refusing is also a change of behaviour)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return ("raised", type(e).__name__)
+
+
+def fingerprint(model: torch.nn.Module) -> dict:
+    """What a built model is: class, attention, dtype, vocabulary, parameter count and a weight checksum."""
+    model = getattr(model, "hf_model", model)  # ScalarHeadModel wraps the Hugging Face model
+    params = list(model.parameters())
+    return {
+        "class": type(model).__name__,
+        "attn": model.config._attn_implementation,
+        "dtype": str(params[0].dtype),
+        "vocab": model.get_input_embeddings().weight.shape[0],
+        "params": sum(p.numel() for p in params),
+        "checksum": round(sum(p.detach().double().abs().sum().item() for p in params), 6),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Observers of the supervised stages (sft, reward_model) and critic_init: the code their jobs and ranks run
+
+
+_EXAMPLES: dict[tuple, list] = {}
+
+
+def _examples(cfg: PipelineConfig, stage: str, split: str) -> list:
+    st = common.setup_stage(cfg, stage)
+    key = (cfg.kind(stage), repr(st.section.data), repr(st.section.model), st.model_path, split)  # tokenized once
+    if key not in _EXAMPLES:
+        tokenizer = load_tokenizer(st.model_path, st.section.model.tokenizer)
+        make = sft_examples if cfg.kind(stage) == "sft" else preference_examples
+        _EXAMPLES[key] = make(st.section.data, tokenizer, split, st.store.fs.storage_options)
+    return _EXAMPLES[key]
+
+
+def train_examples(cfg: PipelineConfig, stage: str) -> Any:
+    """Training examples the job tokenizes (sft_examples / preference_examples of data, split 'train')."""
+    return outcome(lambda: _examples(cfg, stage, "train"))
+
+
+def eval_examples(cfg: PipelineConfig, stage: str) -> Any:
+    """Held-out examples the job tokenizes (split 'eval')."""
+    return outcome(lambda: _examples(cfg, stage, "eval"))
+
+
+def _stage_impl(cfg: PipelineConfig, stage: str):
+    return sft.SFTImpl() if cfg.kind(stage) == "sft" else reward_model.RewardModelImpl(cfg.stage(stage).margin)
+
+
+def rank_model(cfg: PipelineConfig, stage: str) -> Any:
+    """The model a rank builds: setup_stage -> StageContext -> tokenizer, attention, dtype, impl.build_model
+    (SupervisedTrainer.fit, step 1)."""
+
+    def build():
+        ctx = common.setup_stage(cfg, stage).context()
+        strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train)
+        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
+        attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
+        return fingerprint(_stage_impl(cfg, stage).build_model(ctx, tokenizer, strategy.dtype, attn))
+
+    return outcome(build)
+
+
+def ds_config(cfg: PipelineConfig, stage: str) -> dict:
+    """DeepSpeedStrategy(strategy, optim, train).ds_config(), the config deepspeed.initialize gets."""
+    ctx = common.setup_stage(cfg, stage).context()
+    return DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train).ds_config()
+
+
+def lr_curve(cfg: PipelineConfig, stage: str) -> list[float]:
+    """The LambdaLR multipliers of strategy.lr_lambda over a 20-step run."""
+    ctx = common.setup_stage(cfg, stage).context()
+    fn = lr_lambda(ctx.optim, 20)
+    return [round(fn(step), 9) for step in range(20)]
+
+
+def planned_steps(cfg: PipelineConfig, stage: str) -> int:
+    """Optimizer steps the trainer plans for the tokenized training set (sampler.total_steps, as in fit())."""
+    t = common.setup_stage(cfg, stage).context().train
+    return total_steps(len(_examples(cfg, stage, "train")), t.train_batch_size, t.max_epochs, t.max_steps)
+
+
+def first_batch(cfg: PipelineConfig, stage: str) -> list[int]:
+    """Dataset indices of the first optimizer step (sampler.global_batch with the train seed)."""
+    t = common.setup_stage(cfg, stage).context().train
+    return global_batch(len(_examples(cfg, stage, "train")), t.train_batch_size, 0, t.seed)
+
+
+def worker_device(cfg: PipelineConfig, stage: str) -> str:
+    """The device a training group's workers get (launcher.resolve_device, RLHF_DEVICE and num_gpus)."""
+    return launcher.resolve_device(cfg.stage(stage).strategy.device)
+
+
+def pairwise_loss(cfg: PipelineConfig, stage: str) -> float:
+    """RewardModelImpl(margin).loss on four fixed preference pairs with a fixed tiny reward model."""
+    impl = _stage_impl(cfg, stage)
+    tokenizer = load_tokenizer("builtin:tiny")
+    model = impl.build_model(common.setup_stage(cfg, stage).context(), tokenizer, torch.float32, "sdpa")
+    batch = impl.collate(_examples(cfg, stage, "train")[:4], tokenizer.pad_token_id)
+    return round(impl.loss(model, batch)[0].item(), 6)
+
+
+def stage_runner(cfg: PipelineConfig, stage: str) -> Any:
+    """The job module that runs the stage (STAGE_KINDS[kind].job: the pipeline's and the Prefect task's dispatch)."""
+    return job_module(cfg, stage).__name__
+
+
+def job_module(cfg: PipelineConfig, stage: str):
+    return importlib.import_module(STAGE_KINDS[cfg.kind(stage)].job)
+
+
+def store_location(cfg: PipelineConfig, stage: str) -> tuple[str, dict]:
+    """Where and how the run's object store writes (jobs.common.open_store: root URI, fsspec storage options)."""
+    store = common.open_store(cfg)
+    return store.uri(stage), store.fs.storage_options
+
+
+def critic_copy(cfg: PipelineConfig, stage: str) -> Any:
+    """jobs.critic_init.run in-process: the critic it commits (weights, config) and the tokenizer it ships."""
+
+    def run():
+        ref = critic_init.run(cfg, stage)
+        out = Path(ref.uri.removeprefix("file://"))
+        from transformers import AutoModelForSequenceClassification
+
+        # read back by the test (trusting its own fixture code): what matters is what the job wrote
+        model = AutoModelForSequenceClassification.from_pretrained(str(out), trust_remote_code=True)
+        return {"model": fingerprint(model), "tokenizer_vocab": len(load_tokenizer(str(out), trust_remote_code=True))}
+
+    return outcome(run)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Slow observers: real Ray groups, DeepSpeed engines and job runs, each run once per distinct config
+
+
+class WorkerReport:
+    """Hosted by a training group like SupervisedTrainer: what each rank was given (world, threads, CPUs)."""
+
+    def fit(self) -> dict:
+        import ray
+
+        return {
+            "world_size": int(os.environ["WORLD_SIZE"]),
+            "torch_threads": torch.get_num_threads(),
+            "cpus": ray.get_runtime_context().get_assigned_resources().get("CPU"),
+        }
+
+
+_GROUPS: dict[str, Any] = {}
+
+
+def group_report(strategy: StrategyConfig) -> list[dict]:
+    """launcher.run_group(strategy, ...), as the jobs start their groups: one WorkerReport per rank."""
+    if repr(strategy) not in _GROUPS:
+        _GROUPS[repr(strategy)] = launcher.run_group(strategy, WorkerReport)
+    return _GROUPS[repr(strategy)]
+
+
+def worker_group(cfg: PipelineConfig, stage: str) -> Any:
+    """launcher.run_group(strategy, ...) as the supervised jobs call it: one report per rank."""
+    return group_report(cfg.stage(stage).strategy)
+
+
+_SAVED_ENV: dict[str, str | None] = {}
+
+
+def one_rank_world() -> None:
+    """A one-rank torch.distributed world in this process (made once; ``in_process_world`` ends it): what a role's
+    ``DeepSpeedStrategy.init_distributed`` joins when it is the only rank of its group, as in a Ray worker."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    _SAVED_ENV.update({name: os.environ.get(name) for name in world})
+    os.environ.update(world)
+    DeepSpeedStrategy(StrategyConfig(), OptimConfig(), TrainConfig()).init_distributed()
+
+
+class EngineReport:
+    """DeepSpeedStrategy.prepare (optimizer, schedule, recomputation) for a section, in the one-rank world."""
+
+    def __init__(self, strategy_cfg: StrategyConfig, optim, train: TrainConfig):
+        self.section = strategy_cfg, optim, train
+
+    def fit(self) -> dict:
+        strategy = DeepSpeedStrategy(*self.section)
+        strategy.init_distributed()
+        tokenizer = load_tokenizer("builtin:tiny")
+        model = build_causal_lm("builtin:tiny", tokenizer, seed=0, dtype=strategy.dtype, attn="sdpa")
+        return engine_state(model, strategy.prepare(model, 10))
+
+
+def engine_state(model: torch.nn.Module, engine: Any) -> dict:
+    """What an engine's optimizer and model were set up with: the first param group, activation recomputation."""
+    group = engine.optimizer.param_groups[0]
+    return {
+        "lr": group["initial_lr"], "betas": [round(b, 9) for b in group["betas"]],
+        "weight_decay": group["weight_decay"],
+        "gradient_checkpointing": getattr(model, "hf_model", model).is_gradient_checkpointing,
+    }  # fmt: skip
+
+
+_ENGINES: dict[str, dict] = {}
+
+
+def engine(cfg: PipelineConfig, stage: str) -> dict:
+    """What DeepSpeedStrategy.prepare made of the stage's strategy/optim sections (param group, recomputation)."""
+    ctx = common.setup_stage(cfg, stage).context()
+    # one rank, whatever the stage asks for: the report is about the optimizer and the model, not the group
+    section = dataclasses.replace(ctx.strategy, num_workers=1), ctx.optim, ctx.train
+    if repr(section) not in _ENGINES:
+        one_rank_world()
+        _ENGINES[repr(section)] = EngineReport(*section).fit()
+    return _ENGINES[repr(section)]
+
+
+class RecordingRewardModelImpl(reward_model.RewardModelImpl):
+    """The reward-model stage as it is, noting the size of every batch it collates into its metrics (its eval scores
+    do not depend on the batching, so the batch sizes are what shows eval_batch_size)."""
+
+    def __init__(self, margin: float):
+        super().__init__(margin)
+        self.batch_sizes: list[int] = []
+
+    def collate(self, examples, pad_id):
+        self.batch_sizes.append(len(examples))
+        return super().collate(examples, pad_id)
+
+    def finalize(self, hf_model, metrics):
+        super().finalize(hf_model, metrics)
+        metrics["batch_sizes"] = list(self.batch_sizes)
+
+
+_JOBS: dict[str, dict] = {}
+
+
+def job_run(cfg: PipelineConfig, stage: str) -> dict:
+    """The stage's job run for real, once per distinct config (jobs.sft.run / jobs.reward_model.run on Ray; ppo.run /
+    critic_warmup.run with their roles in this process): checkpoints kept, step events, metrics, the critic output."""
+    key = content_key(cfg, stage)
+    if key in _JOBS:
+        return _JOBS[key]
+    run_dir = Path(cfg.run_uri)
+    events_file = run_dir / "events.jsonl"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved_env, saved_impl = os.environ.get(events.EVENTS_ENV), reward_model.RewardModelImpl
+    os.environ[events.EVENTS_ENV] = str(events_file)
+    reward_model.RewardModelImpl = RecordingRewardModelImpl  # type: ignore[misc]
+    transport = in_process_roles() if cfg.kind(stage) in PPO_KINDS else contextlib.nullcontext()
+    try:
+        with transport:
+            ref = job_module(cfg, stage).run(cfg, stage)
+    finally:
+        reward_model.RewardModelImpl = saved_impl  # type: ignore[misc]
+        if saved_env is None:
+            os.environ.pop(events.EVENTS_ENV, None)
+        else:
+            os.environ[events.EVENTS_ENV] = saved_env
+    checkpoints = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / stage / "checkpoints").glob("step_*"))
+    steps = [e["step"] for e in map(json.loads, events_file.read_text().splitlines()) if e["event"] == "step"]
+    critic = ObjectStore(str(run_dir)).is_complete(f"{stage}/critic")
+    _JOBS[key] = {"checkpoints": checkpoints, "step_events": steps, "metrics": ref.metrics, "critic": critic}
+    return _JOBS[key]
+
+
+def newest_checkpoint_step(cfg, stage):
+    """Step of the newest in-stage checkpoint the job left."""
+    return job_run(cfg, stage)["checkpoints"][-1:]
+
+
+def checkpoints_kept(cfg, stage):
+    """How many in-stage checkpoints the job's pruning kept."""
+    return len(job_run(cfg, stage)["checkpoints"])
+
+
+def checkpoint_steps(cfg, stage):
+    """Steps of the in-stage checkpoints the job left (saved every save_steps, pruned to keep_last)."""
+    return job_run(cfg, stage)["checkpoints"]
+
+
+def logged_steps(cfg, stage):
+    """Steps the job reported (step events of rank 0 / of the PPO controller)."""
+    return job_run(cfg, stage)["step_events"]
+
+
+def critic_written(cfg, stage):
+    """Whether the PPO job committed its trained critic (<run_uri>/<stage>/critic)."""
+    return job_run(cfg, stage)["critic"]
+
+
+def eval_batching(cfg, stage):
+    """How the job evaluated: SFT's eval_loss (a mean over eval batches), the RM's eval batch sizes."""
+    m = job_run(cfg, stage)["metrics"]
+    return m["eval_loss"] if cfg.kind(stage) == "sft" else m["batch_sizes"][m["steps"] :]  # after the training ones
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The table: supervised sections (sft and reward_model share model/strategy/optim/train probes)
+
+RM_BASE = ("reward_model.model.name_or_path=builtin:tiny",)  # no upstream SFT output needed
+# One job run per kind serves the keys that only act inside the loop: 96 rows / 16 = 6 steps.
+JOB_BASE = (
+    "{stage}.data.max_samples=96",
+    "{stage}.train.save_steps=1",
+    "{stage}.train.keep_last=3",
+    "{stage}.train.log_steps=8",
+    "{stage}.train.eval_batch_size=32",
+    "{stage}.train.micro_train_batch_size=16",
+)
+JOB_CHANGE = ("{stage}.train.save_steps=2", "{stage}.train.keep_last=1", "{stage}.train.log_steps=2",
+              "{stage}.train.eval_batch_size=4")  # fmt: skip
+
+TRAINING_SECTION: dict[str, Probe] = {
+    "model.name_or_path": probe(
+        "{stage}.model.name_or_path=builtin:small", observe=rank_model, expect=lambda a, b: b["params"] > a["params"]
+    ),
+    "model.tokenizer": probe(
+        "{stage}.model.tokenizer={alt_tokenizer}", observe=rank_model, expect=lambda a, b: b["vocab"] == a["vocab"] + 1
+    ),
+    "model.init_seed": probe("{stage}.model.init_seed=1", observe=rank_model),
+    "model.trust_remote_code": probe(
+        "{stage}.model.trust_remote_code=true",
+        observe=rank_model,
+        base=("{stage}.model.name_or_path={remote_code_model}",),
+        expect=lambda a, b: a[0] == "raised" and b["class"].startswith("Probe"),
+    ),
+    "strategy.num_workers": probe(
+        "{stage}.strategy.num_workers=2",
+        observe=worker_group,
+        slow=True,
+        base=("{stage}.train.micro_train_batch_size=8",),
+        expect=lambda a, b: [r["world_size"] for r in b] == [2, 2],
+    ),
+    "strategy.zero_stage": probe(
+        "{stage}.strategy.zero_stage=3", observe=ds_config, expect=lambda a, b: b["zero_optimization"]["stage"] == 3
+    ),
+    "strategy.offload_optimizer": probe(
+        "{stage}.strategy.offload_optimizer=true",
+        observe=ds_config,
+        expect=lambda a, b: b["zero_optimization"]["offload_optimizer"]["device"] == "cpu",
+    ),
+    "strategy.precision": probe(
+        "{stage}.strategy.precision=bf16", observe=rank_model, expect=lambda a, b: b["dtype"] == "torch.bfloat16"
+    ),
+    "strategy.gradient_checkpointing": probe(
+        "{stage}.strategy.gradient_checkpointing=true",
+        observe=engine,
+        slow=True,
+        expect=lambda a, b: b["gradient_checkpointing"],
+    ),
+    "strategy.attn_implementation": probe(
+        "{stage}.strategy.attn_implementation=eager",
+        observe=rank_model,
+        expect=lambda a, b: (a["attn"], b["attn"]) == ("sdpa", "eager"),
+    ),
+    "strategy.device": probe("{stage}.strategy.device=cuda", observe=worker_device),
+    "strategy.cpus_per_worker": probe(
+        "{stage}.strategy.cpus_per_worker=0.5",
+        observe=worker_group,
+        slow=True,
+        expect=lambda a, b: b[0]["cpus"] == 0.5,
+    ),
+    "strategy.threads_per_worker": probe(
+        "{stage}.strategy.threads_per_worker=2",
+        observe=worker_group,
+        slow=True,
+        expect=lambda a, b: b[0]["torch_threads"] == 2,
+    ),
+    "optim.lr": probe("{stage}.optim.lr=0.25", observe=engine, slow=True, expect=lambda a, b: b["lr"] == 0.25),
+    "optim.weight_decay": probe(
+        "{stage}.optim.weight_decay=0.1", observe=engine, slow=True, expect=lambda a, b: b["weight_decay"] == 0.1
+    ),
+    "optim.adam_betas": probe(
+        "{stage}.optim.adam_betas=[0.8,0.9]", observe=engine, slow=True, expect=lambda a, b: b["betas"] == [0.8, 0.9]
+    ),
+    "optim.lr_scheduler": probe(
+        "{stage}.optim.lr_scheduler=constant_with_warmup", observe=lr_curve, expect=lambda a, b: b[-1] == 1.0
+    ),
+    "optim.lr_warmup_ratio": probe(
+        "{stage}.optim.lr_warmup_ratio=0.5", observe=lr_curve, expect=lambda a, b: b[0] == 0.1
+    ),
+    "optim.min_lr_ratio": probe("{stage}.optim.min_lr_ratio=0.5", observe=lr_curve),
+    "optim.max_norm": probe(
+        "{stage}.optim.max_norm=0.5", observe=ds_config, expect=lambda a, b: b["gradient_clipping"] == 0.5
+    ),
+    "train.train_batch_size": probe(
+        "{stage}.train.train_batch_size=32",
+        observe=ds_config,
+        expect=lambda a, b: b["gradient_accumulation_steps"] == 2 * a["gradient_accumulation_steps"],
+    ),
+    "train.micro_train_batch_size": probe(
+        "{stage}.train.micro_train_batch_size=4",
+        observe=ds_config,
+        expect=lambda a, b: b["train_micro_batch_size_per_gpu"] == 4,
+    ),
+    "train.max_epochs": probe("{stage}.train.max_epochs=2", observe=planned_steps, expect=lambda a, b: b == 2 * a),
+    "train.max_steps": probe("{stage}.train.max_steps=3", observe=planned_steps, expect=lambda a, b: b == 3),
+    "train.seed": probe("{stage}.train.seed=7", observe=first_batch),
+    "train.save_steps": probe(
+        *JOB_CHANGE, observe=newest_checkpoint_step, base=JOB_BASE, slow=True, expect=lambda a, b: (a, b) == ([5], [4])
+    ),
+    "train.keep_last": probe(
+        *JOB_CHANGE, observe=checkpoints_kept, base=JOB_BASE, slow=True, expect=lambda a, b: (a, b) == (3, 1)
+    ),
+    "train.log_steps": probe(
+        *JOB_CHANGE,
+        observe=logged_steps,
+        base=JOB_BASE,
+        slow=True,
+        expect=lambda a, b: (a, b) == ([1, 6], [1, 2, 4, 6]),
+    ),
+    "train.eval_batch_size": probe(*JOB_CHANGE, observe=eval_batching, base=JOB_BASE, slow=True),
+}
+
+
+def _data_probes(fixture: str, keys: dict[str, str]) -> dict[str, Probe]:
+    """Probes of a data section on the bundled fixture rows (``keys``: the alternative row keys of the kind)."""
+    rows, splits = f"{DATA / fixture}.jsonl", DATA / f"{fixture}_splits"
+    on_rows = (f"{{stage}}.data.train_path={rows}", f"{{stage}}.data.eval_path={rows}")
+    on_splits = (f"{{stage}}.data.train_path={splits}", f"{{stage}}.data.eval_path={splits}")
+    fewer = lambda a, b: 0 < len(b) < len(a)  # noqa: E731
+    out = {
+        "data.train_path": probe(f"{{stage}}.data.train_path={rows}", observe=train_examples),
+        "data.eval_path": probe(f"{{stage}}.data.eval_path={rows}", observe=eval_examples),
+        "data.train_split": probe("{stage}.data.train_split=dev", observe=train_examples, base=on_splits),
+        "data.eval_split": probe("{stage}.data.eval_split=dev", observe=eval_examples, base=on_splits),
+        "data.max_len": probe("{stage}.data.max_len=12", observe=train_examples, base=on_rows),
+        "data.max_samples": probe("{stage}.data.max_samples=3", observe=train_examples, base=on_rows, expect=fewer),
+        "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=train_examples, base=on_rows),
+        "data.apply_chat_template": probe(
+            "{stage}.data.apply_chat_template=false", observe=train_examples, base=on_rows
+        ),
+    }
+    for key, alternative in keys.items():
+        out[f"data.{key}"] = probe(f"{{stage}}.data.{key}={alternative}", observe=train_examples, base=on_rows)
+    return out
+
+
+# The row keys each kind reads (DataConfig is one class for all kinds: the others' are StageKind.unused, refused)
+SFT_KEYS = {"input_key": "question", "output_key": "answer"}
+PREFERENCE_KEYS = {"prompt_key": "query", "chosen_key": "good", "rejected_key": "bad"}
+
+SFT_SECTION = {**TRAINING_SECTION, **_data_probes("sft", SFT_KEYS)}
+REWARD_MODEL_SECTION = {
+    **TRAINING_SECTION,
+    **_data_probes("pref", PREFERENCE_KEYS),
+    "margin": probe("{stage}.margin=1.0", observe=pairwise_loss),
+}
+CRITIC_INIT_SECTION = {
+    "model.name_or_path": probe(
+        "{stage}.model.name_or_path={rm_seed1}", observe=critic_copy, base=("{stage}.model.name_or_path={rm_seed0}",)
+    ),
+    "model.tokenizer": probe(
+        "{stage}.model.tokenizer={alt_tokenizer}", observe=critic_copy, base=("{stage}.model.name_or_path={rm_seed0}",)
+    ),
+    "model.trust_remote_code": probe(
+        "{stage}.model.trust_remote_code=true",
+        observe=critic_copy,
+        base=("{stage}.model.name_or_path={remote_code_rm}",),
+    ),
+}
+KIND_CHANGES = {  # another kind whose section the stage's keys also make valid
+    "sft": ("sft.kind=reward_model",),
+    "reward_model": ("reward_model.kind=sft",),
+    "critic_init": (
+        "critic_init.kind=reward_model",
+        f"critic_init.data.train_path={DATA / 'pref.jsonl'}",
+        f"critic_init.data.eval_path={DATA / 'pref.jsonl'}",
+    ),
+    "critic_warmup": ("critic_warmup.kind=ppo",),
+    "ppo": ("ppo.kind=critic_warmup",),  # on KIND_PRESETS["ppo"]: the tiny ppo stage sets actor_optim
+}
+# The tiny preset's ppo stage sets actor_optim, which a critic_warmup stage refuses: its kind changes on a preset
+# whose ppo stage sets only keys both kinds take.
+KIND_PRESETS = {"ppo": DATA / "ppo_both_kinds.yaml"}
+
+# ---------------------------------------------------------------------------------------------------------------------
+# PPO sections (critic_warmup and ppo share PPOConfig): the controller's set-up and its advantage phase, in-process
+
+PPO_KINDS = ("critic_warmup", "ppo")
+
+
+def _ppo_setup(cfg: PipelineConfig, stage: str):
+    """The controller as ppo.run builds it (the same models fetched)."""
+    from rlhf_core.jobs import ppo
+
+    p = cfg.stage(stage)
+    models = {"actor": p.actor, "critic": p.critic, "reward": p.reward}
+    if ppo.needs_reference(p.algo):
+        models["reference"] = p.reference or p.actor
+    return ppo.PPOController(stage, p, common.setup_stage(cfg, stage, models), cfg.kind(stage) == "ppo")
+
+
+def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
+    """jobs.ppo.PPOController(...) as run() builds it before any Ray actor: prompts, plan, reward stats, gold, KL."""
+
+    def build():
+        c = _ppo_setup(cfg, stage)
+        return {
+            "prompts": [e["prompt_ids"] for e in c.prompts], "eval_prompts": [e["prompt_ids"] for e in c.eval_prompts],
+            "steps": c.steps, "actor_ppo_steps": c.actor_ppo_steps, "stats": c.stats,
+            "gold": getattr(c.gold, "__name__", None), "kl_coef": c.kl_ctl.value, "device": c.device,
+            "vocab": len(c.tokenizer), "engine_kwargs": c._engine_kwargs(), "paths": c.paths,
+        }  # fmt: skip
+
+    return outcome(build)
+
+
+def fixed_experience(pad_id: int, eos_id: int):
+    """Two hand-made rollouts (one closed by EOS, one cut without it) with fixed log-probs, values and scores."""
+    from rlhf_core.algos.batching import ensure_eos, make_sequences
+    from rlhf_core.algos.experience import Experience
+
+    prompts, responses = [[1, 5, 6], [1, 7]], [[8, 9, eos_id], [10, 11, 12]]
+    seq = make_sequences(prompts, responses, pad_id)
+    _, truncated = ensure_eos(responses, eos_id)
+    shape = seq.action_mask.shape
+    gen = torch.Generator().manual_seed(0)
+    return Experience.from_sequences(
+        seq, old_logprobs=-torch.rand(shape, generator=gen), ref_logprobs=-torch.rand(shape, generator=gen),
+        values=torch.rand(shape, generator=gen), scores=torch.tensor([2.0, 3.0]), truncated=truncated,
+    )  # fmt: skip
+
+
+def advantage_phase(cfg: PipelineConfig, stage: str) -> Any:
+    """PPOController.advantages on a fixed Experience (scores -> normalise, EOS penalty, clip -> KL -> GAE), then
+    one KL-controller update."""
+
+    def run():
+        c = _ppo_setup(cfg, stage)
+        exp, logs = c.advantages(fixed_experience(c.pad_id, c.eos_id))
+        c.kl_ctl.update(0.5, 64)
+        return {"advantages": exp.advantages.tolist(), "returns": exp.returns.tolist(),
+                "reward": round(logs["reward"], 6), "kl_after_update": c.kl_ctl.value}  # fmt: skip
+
+    return outcome(run)
+
+
+def ppo_plan(cfg: PipelineConfig, stage: str) -> Any:
+    """jobs.ppo.optimizer_steps / resource_demand / check_fits for the stage (what start() asks of Ray)."""
+    from rlhf_core.jobs import ppo
+
+    p = cfg.stage(stage)
+    return {
+        "optimizer_steps": ppo.optimizer_steps(p, 10),
+        "cpu": ppo.resource_demand(p, "cpu"), "cuda": ppo.resource_demand(p, "cuda"),
+        "fits_cpu": outcome(lambda: ppo.check_fits(stage, p, "cpu", {"CPU": 64})),
+    }  # fmt: skip
+
+
+def role_ds_config(role: str):
+    def observe(cfg: PipelineConfig, stage: str) -> dict:
+        p = cfg.stage(stage)
+        t = p.train
+        batch = TrainConfig(train_batch_size=t.train_batch_size, micro_train_batch_size=t.micro_train_batch_size)
+        return DeepSpeedStrategy(getattr(p, f"{role}_strategy"), getattr(p, f"{role}_optim"), batch).ds_config()
+
+    observe.__name__ = f"{role}_ds_config"
+    observe.__doc__ = f"DeepSpeedStrategy of the {role} role (strategy, optim, PPO batch).ds_config()."
+    return observe
+
+
+def role_lr_curve(role: str):
+    def observe(cfg: PipelineConfig, stage: str) -> list[float]:
+        fn = lr_lambda(getattr(cfg.stage(stage), f"{role}_optim"), 20)
+        return [round(fn(step), 9) for step in range(20)]
+
+    observe.__name__ = f"{role}_lr_curve"
+    observe.__doc__ = f"strategy.lr_lambda of the {role} optimizer over 20 steps."
+    return observe
+
+
+def first_prompts(cfg: PipelineConfig, stage: str) -> list[int]:
+    """Prompt indices of PPO step 0 (sampler.global_batch with the train seed, as fit() reads them)."""
+    c = _ppo_setup(cfg, stage)
+    return global_batch(len(c.prompts), c.p.train.rollout_batch_size, 0, c.p.train.seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The PPO roles in this process: PPOController.start() / ppo.run with Ray's transport swapped for in-process calls
+
+
+class LocalGroup:
+    """launcher.RayWorkerGroup's calls on one rank in this process: the hosted object is built from the arguments
+    the controller gave the group (checked as the real group checks them); ``cfg`` is the strategy it was given."""
+
+    def __init__(self, cfg: StrategyConfig, factory: type, *args, name="worker", placement=None, share=1.0, **kwargs):
+        launcher.check_constructor(factory, args, kwargs)
+        self.cfg, self.cls = cfg, factory
+        self.obj = factory(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return 1
+
+    def call(self, method, *args, **kwargs) -> list:
+        launcher.check_call(self.cls, method, args, kwargs)
+        return [method(self.obj, *args, **kwargs)]
+
+    call_async = call
+
+    def call_each(self, method, shards, *args, **kwargs) -> list:
+        (shard,) = shards
+        return self.call(method, shard, *args, **kwargs)
+
+    call_each_async = call_each
+
+    def shutdown(self) -> None:
+        self.obj = None
+
+
+class LocalEngine:
+    """A rollout engine in this process behind Ray's handle syntax (``engine.method.remote(...)`` -> ObjectRef, the
+    ObjectRef arguments resolved as Ray does), the way EngineGroup and sync_weights call an engine actor."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        method = getattr(self.engine, name)
+
+        def remote(*args, **kwargs):
+            args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
+            return ray.put(method(*args, **kwargs))
+
+        return SimpleNamespace(remote=remote)
+
+
+def local_engines(count: int, model_path: str, *, backend: str = "vllm", tensor_parallel_size: int = 1,
+                  num_cpus_per_engine: float = 1, env_vars=None, **kwargs) -> list[LocalEngine]:  # fmt: skip
+    """rollout_engine.create_engines for the HF backend, each engine in this process."""
+    from rlhf_core.distributed.rollout_engine import HFGenerateEngine
+
+    assert backend == "hf" and tensor_parallel_size == 1, "in-process engines: the HF backend only"
+    return [LocalEngine(HFGenerateEngine(model_path, **kwargs)) for _ in range(count)]
+
+
+@contextlib.contextmanager
+def in_process_roles():
+    """Within: the controller's worker groups and rollout engines live in this process (one rank each, the one-rank
+    DeepSpeed world); results travel through Ray's object store only where the controller calls Ray itself."""
+    from rlhf_core.distributed import rollout_engine
+
+    class LocalEngineGroup(rollout_engine.EngineGroup):
+        def shutdown(self) -> None:  # nothing to kill: the engines are objects of this process
+            self.engines = []
+
+    one_rank_world()
+    swaps = [
+        (launcher, "RayWorkerGroup", LocalGroup),
+        (launcher, "wait", list),
+        (rollout_engine, "create_engines", local_engines),
+        (rollout_engine, "EngineGroup", LocalEngineGroup),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    for module, name, value in swaps:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _rounded(t: torch.Tensor | None) -> list | None:
+    return None if t is None else [[round(v, 5) for v in row] for row in t.tolist()]
+
+
+def _trained_role(role: Any) -> dict:
+    return {**fingerprint(role.engine.module), **engine_state(role.engine.module, role.engine)}
+
+
+def _role_report(c) -> dict:
+    """After start(): what each role built, then the phases on fixed sequences: experience (with the forward
+    micro-batch sizes of each role), the held-out evaluation, one train() on that experience (its old log-probs and
+    values shifted, so that the clips act)."""
+    tokenizer_len = len(c.tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [e["prompt_ids"] for e in c.prompts[:8]]
+    responses = [torch.randint(5, tokenizer_len, (2 + i % 5,), generator=gen).tolist() + [c.eos_id] * (i % 2)
+                 for i in range(16)]  # fmt: skip
+    roles = {"actor": c.actor.obj.engine.module, "critic": c.critic.obj.engine.module, "reward": c.reward.obj.model}
+    if c.reference is not None:
+        roles["reference"] = c.reference.obj.model
+    out: dict[str, Any] = {
+        "actor": _trained_role(c.actor.obj), "critic": _trained_role(c.critic.obj),
+        "reward": fingerprint(c.reward.obj.model),
+        "reference": fingerprint(c.reference.obj.model) if c.reference is not None else None,
+        "engine": fingerprint(c.engines.engines[0].engine.model),
+        "groups": {"actor": c.actor.cfg, "critic": c.critic.cfg},
+        "devices": {"actor": launcher.resolve_device(c.actor.cfg.device),
+                    "critic": launcher.resolve_device(c.critic.cfg.device)},
+        "micro_batches": {role: [] for role in roles},
+    }  # fmt: skip
+
+    def record(rows: list):
+        return lambda module, args, kwargs: rows.append(len(args[0] if args else kwargs["input_ids"]))
+
+    hooks = [m.register_forward_pre_hook(record(out["micro_batches"][r]), with_kwargs=True) for r, m in roles.items()]
+    try:
+        exp = c.experience(prompts, responses)
+    finally:
+        for h in hooks:
+            h.remove()
+    out["logprobs"] = {"old": _rounded(exp.old_logprobs), "ref": _rounded(exp.ref_logprobs)}
+    out["evaluate"] = {k: round(v, 6) for k, v in c.evaluate().items()}
+    mask = exp.action_mask
+    shifted = dataclasses.replace(exp, old_logprobs=exp.old_logprobs - 0.5 * mask, values=exp.values + 0.5 * mask)
+    shifted, _ = c.advantages(shifted)
+    # Forwards of each trained role's first decoder layer in train(): twice as many when backward recomputes them.
+    out["layer_forwards_in_train"] = calls = {"actor": 0, "critic": 0}
+    layers = {r: next(m for m in roles[r].modules() if type(m).__name__.endswith("DecoderLayer")) for r in calls}
+    # a pre-hook: a recomputation stops early (torch.utils.checkpoint), before a forward hook would run
+    hooks = [layers[r].register_forward_pre_hook(lambda *_, r=r: calls.__setitem__(r, calls[r] + 1)) for r in calls]
+    try:
+        # step 0 of fit(): the actor trains unless the stage never trains it (freeze_actor_steps = 0 here)
+        stats = c.train(shifted, 0, actor_frozen=not c.train_actor)
+    finally:
+        for h in hooks:
+            h.remove()
+    out["train"] = {k: round(v, 6) for k, v in stats.items()}
+    return out
+
+
+_REPORTS: dict[str, Any] = {}
+
+
+def ppo_roles(cfg: PipelineConfig, stage: str) -> Any:
+    """PPOController.start() in-process, then ``_role_report`` (once per distinct config)."""
+    key = content_key(cfg, stage)
+    if key not in _REPORTS:
+
+        def run():
+            with in_process_roles():
+                c = _ppo_setup(cfg, stage)
+                try:
+                    c.start()
+                    return _role_report(c)
+                finally:
+                    c.shutdown()
+
+        _REPORTS[key] = outcome(run)
+    return _REPORTS[key]
+
+
+def report_part(*path: str, doc: str):
+    """An observer of one part of ``ppo_roles`` (the whole report when start() raised)."""
+
+    def observe(cfg: PipelineConfig, stage: str) -> Any:
+        out = ppo_roles(cfg, stage)
+        if isinstance(out, tuple):  # ("raised", ...)
+            return out
+        for part in path:
+            out = out[part]
+        return out
+
+    observe.__name__ = "ppo_roles:" + ".".join(path)
+    observe.__doc__ = doc
+    return observe
+
+
+def role_model(role: str):
+    return report_part(
+        role,
+        doc=f"What the {role} role built in start() (model class, attention, vocabulary, weights"
+        f"{', optimizer, recomputation' if role in ('actor', 'critic') else ''}).",
+    )
+
+
+def role_workers(role: str):
+    def observe(cfg: PipelineConfig, stage: str) -> Any:
+        return group_report(ppo_roles(cfg, stage)["groups"][role])
+
+    observe.__name__ = f"{role}_workers"
+    observe.__doc__ = f"A real Ray group started with the strategy start() gave the {role} group: what each rank got."
+    return observe
+
+
+def recomputation(role: str):
+    return report_part(
+        "layer_forwards_in_train", role,
+        doc=f"Forwards of the {role}'s first decoder layer in PPOController.train() (backward recomputes them).",
+    )  # fmt: skip
+
+
+micro_batches = report_part("micro_batches", doc="Rows of each forward of each role in the experience phase.")
+sampling = report_part("evaluate", doc="PPOController.evaluate(): the engines sample the held-out prompts.")
+train_phase = report_part("train", doc="PPOController.train() on a fixed experience: the actor's and critic's fit.")
+
+
+def rollout_distribution(cfg: PipelineConfig, stage: str) -> Any:
+    """The distribution of the rollout: the actor's and reference's log-probs of fixed sequences (experience phase)
+    and the engines' samples (evaluate)."""
+    out = ppo_roles(cfg, stage)
+    return {"logprobs": out["logprobs"], "evaluate": out["evaluate"]}
+
+
+PPO_BASE = ("{stage}.actor.name_or_path=builtin:tiny", "{stage}.critic.name_or_path={rm_seed0}",
+            "{stage}.reward.name_or_path={rm_seed0}", "{stage}.train.eval_prompts=8", "{stage}.data.max_samples=32",
+            "{stage}.train.max_steps=null")  # 32 prompts / 16 per step = 2 PPO steps  # fmt: skip
+PROMPT_ROWS = f"{DATA / 'prompts.jsonl'}"
+PROMPT_SPLITS = f"{DATA / 'prompts_splits'}"
+# The real job runs (roles in-process): 24 prompts / 8 per step = 3 PPO steps, checkpoints after steps 1 and 2.
+PPO_RUN_BASE = ("{stage}.data.max_samples=24", "{stage}.train.rollout_batch_size=8", "{stage}.train.eval_prompts=0",
+                "{stage}.rollout.max_new_tokens=8", "{stage}.train.save_steps=1", "{stage}.train.keep_last=3",
+                "{stage}.train.log_steps=1")  # fmt: skip
+PPO_RUN_CHANGE = ("{stage}.train.save_steps=2", "{stage}.train.log_steps=2")
+# Models whose init_seed / tokenizer act (built from config: builtin:), and models with custom code.
+BUILTIN_BASES = {
+    "actor": (), "critic": ("{stage}.critic.name_or_path=builtin:tiny",),
+    "reward": ("{stage}.reward.name_or_path=builtin:tiny", "{stage}.algo.normalize_reward=false"),
+    "reference": ("{stage}.reference.name_or_path=builtin:tiny",),
+}  # fmt: skip
+REMOTE_BASES = {"actor": "{remote_code_model}", "critic": "{remote_code_rm}", "reward": "{remote_code_rm}",
+                "reference": "{remote_code_model}"}  # fmt: skip
+
+
+def _raised_then(cls_prefix: str) -> Callable[[Any, Any], bool]:
+    return lambda a, b: a[0] == "raised" and b["class"].startswith(cls_prefix)
+
+
+def _ppo_section(kind: str) -> dict[str, Probe]:
+    trains_actor = kind == "ppo"  # critic_warmup: the actor never trains (no actor_optim, save_critic, freezing)
+    on_splits = (f"{{stage}}.data.train_path={PROMPT_SPLITS}", f"{{stage}}.data.eval_path={PROMPT_SPLITS}",
+                 "{stage}.train.rollout_batch_size=4", "{stage}.train.train_batch_size=8",
+                 "{stage}.train.micro_train_batch_size=8", "{stage}.train.micro_rollout_batch_size=8")  # fmt: skip
+    out: dict[str, Probe] = {
+        "data.train_path": probe(
+            f"{{stage}}.data.train_path={PROMPT_SPLITS}/train.jsonl", observe=ppo_controller, base=on_splits[1:]
+        ),
+        "data.eval_path": probe(f"{{stage}}.data.eval_path={PROMPT_ROWS}", observe=ppo_controller),
+        "data.train_split": probe("{stage}.data.train_split=dev", observe=ppo_controller, base=on_splits),
+        "data.eval_split": probe("{stage}.data.eval_split=dev", observe=ppo_controller, base=on_splits),
+        "data.max_len": probe("{stage}.data.max_len=12", observe=ppo_controller),
+        "data.max_samples": probe("{stage}.data.max_samples=16", observe=ppo_controller),
+        "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=ppo_controller),
+        "data.apply_chat_template": probe("{stage}.data.apply_chat_template=false", observe=ppo_controller),
+        "data.input_key": probe("{stage}.data.input_key=question", observe=ppo_controller, base=on_splits),
+    }
+    for role in ("actor", "critic", "reward", "reference"):
+        path = "builtin:small" if role == "actor" else "{rm_seed1}"
+        out[f"{role}.name_or_path"] = probe(f"{{stage}}.{role}.name_or_path={path}", observe=ppo_controller)
+        out[f"{role}.tokenizer"] = probe(
+            f"{{stage}}.{role}.tokenizer={{alt_tokenizer}}",
+            observe=ppo_controller if role == "actor" else role_model(role),
+            base=BUILTIN_BASES[role],
+            slow=role != "actor",
+            expect=None if role == "actor" else lambda a, b: b["vocab"] == a["vocab"] + 1,
+        )
+        out[f"{role}.init_seed"] = probe(
+            f"{{stage}}.{role}.init_seed=1",
+            observe=role_model(role),
+            base=BUILTIN_BASES[role],
+            slow=True,
+            expect=lambda a, b: a["checksum"] != b["checksum"],
+        )
+        out[f"{role}.trust_remote_code"] = probe(
+            f"{{stage}}.{role}.trust_remote_code=true",
+            observe=role_model(role),
+            base=(f"{{stage}}.{role}.name_or_path={REMOTE_BASES[role]}",),
+            slow=True,
+            expect=_raised_then("Probe"),
+        )
+    out["reference.name_or_path"] = probe("{stage}.reference.name_or_path=builtin:small", observe=ppo_controller)
+    for role in ("actor", "critic"):
+        ds = role_ds_config(role)
+        s = f"{{stage}}.{role}_strategy"
+        out |= {
+            f"{role}_strategy.num_workers": probe(
+                f"{s}.num_workers=2", "{stage}.train.micro_train_batch_size=8", observe=ppo_plan
+            ),
+            f"{role}_strategy.zero_stage": probe(f"{s}.zero_stage=3", observe=ds),
+            f"{role}_strategy.offload_optimizer": probe(f"{s}.offload_optimizer=true", observe=ds),
+            f"{role}_strategy.precision": probe(f"{s}.precision=bf16", observe=ds),
+            f"{role}_strategy.gradient_checkpointing": probe(
+                f"{s}.gradient_checkpointing=true",
+                observe=recomputation(role),
+                slow=True,
+                expect=lambda a, b: a > 0 and b == 2 * a,
+            ),
+            f"{role}_strategy.attn_implementation": probe(
+                f"{s}.attn_implementation=eager",
+                observe=role_model(role),
+                slow=True,
+                expect=lambda a, b: (a["attn"], b["attn"]) == ("sdpa", "eager"),
+            ),
+            f"{role}_strategy.cpus_per_worker": probe(f"{s}.cpus_per_worker=2.0", observe=ppo_plan),
+            f"{role}_strategy.threads_per_worker": probe(
+                f"{s}.threads_per_worker=2",
+                observe=role_workers(role),
+                slow=True,
+                expect=lambda a, b: b[0]["torch_threads"] == 2,
+            ),
+        }
+        if role == "actor":  # the controller's device (resources, engines), also what the actor group gets
+            out[f"{role}_strategy.device"] = probe(f"{s}.device=cuda", observe=ppo_controller)
+        else:
+            device = report_part("devices", role, doc=f"The device start() gave the {role} group's ranks.")
+            out[f"{role}_strategy.device"] = probe(
+                f"{s}.device=cuda", observe=device, slow=True, expect=lambda a, b: (a, b) == ("cpu", "cuda")
+            )
+        if role == "actor" and not trains_actor:
+            continue
+        o = f"{{stage}}.{role}_optim"
+        curve = role_lr_curve(role)
+        out |= {
+            f"{role}_optim.lr": probe(
+                f"{o}.lr=0.25", observe=role_model(role), slow=True, expect=lambda a, b: b["lr"] == 0.25
+            ),
+            f"{role}_optim.weight_decay": probe(
+                f"{o}.weight_decay=0.1",
+                observe=role_model(role),
+                slow=True,
+                expect=lambda a, b: b["weight_decay"] == 0.1,
+            ),
+            f"{role}_optim.adam_betas": probe(
+                f"{o}.adam_betas=[0.8,0.9]",
+                observe=role_model(role),
+                slow=True,
+                expect=lambda a, b: b["betas"] == [0.8, 0.9],
+            ),
+            f"{role}_optim.lr_scheduler": probe(f"{o}.lr_scheduler=cosine_with_min_lr", observe=curve),
+            f"{role}_optim.lr_warmup_ratio": probe(f"{o}.lr_warmup_ratio=0.5", observe=curve),
+            f"{role}_optim.min_lr_ratio": probe(
+                f"{o}.min_lr_ratio=0.5",
+                f"{o}.lr_scheduler=cosine_with_min_lr",
+                observe=curve,
+                base=(f"{o}.lr_scheduler=cosine_with_min_lr",),
+            ),
+            f"{role}_optim.max_norm": probe(f"{o}.max_norm=0.5", observe=ds),
+        }
+    out |= {
+        "reward_workers": probe("{stage}.reward_workers=2", observe=ppo_plan),
+        "reference_workers": probe("{stage}.reference_workers=2", observe=ppo_plan),
+        "frozen_cpus_per_worker": probe("{stage}.frozen_cpus_per_worker=1.0", observe=ppo_plan),
+        "colocate_actor_ref": probe("{stage}.colocate_actor_ref=true", observe=ppo_plan),
+        "colocate_critic_reward": probe("{stage}.colocate_critic_reward=true", observe=ppo_plan),
+        "colocate_all": probe("{stage}.colocate_all=true", observe=ppo_plan),
+        "rollout.backend": probe("{stage}.rollout.backend=vllm", observe=ppo_controller),
+        "rollout.num_engines": probe("{stage}.rollout.num_engines=2", observe=ppo_plan),
+        "rollout.tensor_parallel_size": probe(
+            "{stage}.rollout.tensor_parallel_size=2", observe=ppo_plan, base=("{stage}.rollout.backend=vllm",)
+        ),
+        "rollout.cpus_per_engine": probe("{stage}.rollout.cpus_per_engine=2.0", observe=ppo_plan),
+        "rollout.kv_cache_gib": probe(
+            "{stage}.rollout.kv_cache_gib=2", observe=ppo_controller, base=("{stage}.rollout.backend=vllm",)
+        ),
+        "rollout.n_samples_per_prompt": probe("{stage}.rollout.n_samples_per_prompt=4", observe=ppo_plan),
+        "rollout.temperature": probe(
+            "{stage}.rollout.temperature=0.5",
+            observe=rollout_distribution,
+            slow=True,
+            expect=lambda a, b: a["logprobs"] != b["logprobs"] and a["evaluate"] != b["evaluate"],
+        ),
+        "rollout.top_p": probe("{stage}.rollout.top_p=0.5", observe=sampling, slow=True),
+        "rollout.max_new_tokens": probe(
+            "{stage}.rollout.max_new_tokens=8", observe=ppo_controller, base=("{stage}.rollout.backend=vllm",)
+        ),
+        "algo.kl_coef": probe("{stage}.algo.kl_coef=0.5", observe=advantage_phase),
+        "algo.kl_estimator": probe("{stage}.algo.kl_estimator=k3", observe=advantage_phase),
+        "algo.kl_target": probe("{stage}.algo.kl_target=0.1", observe=advantage_phase),
+        "algo.kl_horizon": probe(
+            "{stage}.algo.kl_horizon=100", observe=advantage_phase, base=("{stage}.algo.kl_target=0.1",)
+        ),
+        "algo.gamma": probe("{stage}.algo.gamma=0.5", observe=advantage_phase),
+        "algo.lam": probe("{stage}.algo.lam=0.5", observe=advantage_phase),
+        "algo.eps_clip": probe("{stage}.algo.eps_clip=0.1", observe=train_phase, slow=True),
+        "algo.value_clip": probe("{stage}.algo.value_clip=0.1", observe=train_phase, slow=True),
+        "algo.normalize_reward": probe("{stage}.algo.normalize_reward=false", observe=advantage_phase),
+        "algo.reward_clip": probe("{stage}.algo.reward_clip=[-1.0,1.0]", observe=advantage_phase),
+        "algo.missing_eos_penalty": probe("{stage}.algo.missing_eos_penalty=-1.0", observe=advantage_phase),
+        "algo.whiten_advantages": probe("{stage}.algo.whiten_advantages=false", observe=train_phase, slow=True),
+        "algo.ppo_epochs": probe("{stage}.algo.ppo_epochs=2", observe=ppo_plan),
+        "train.rollout_batch_size": probe("{stage}.train.rollout_batch_size=32", observe=ppo_controller),
+        "train.train_batch_size": probe("{stage}.train.train_batch_size=8", observe=ppo_plan),
+        "train.micro_train_batch_size": probe(
+            "{stage}.train.micro_train_batch_size=4", observe=role_ds_config("actor")
+        ),
+        "train.micro_rollout_batch_size": probe(
+            "{stage}.train.micro_rollout_batch_size=4",
+            observe=micro_batches,
+            slow=True,
+            expect=lambda a, b: all(set(rows) == {4} for rows in b.values()),
+        ),
+        "train.num_episodes": probe("{stage}.train.num_episodes=2", observe=ppo_controller),
+        "train.max_steps": probe("{stage}.train.max_steps=1", observe=ppo_controller),
+        "train.seed": probe("{stage}.train.seed=7", observe=first_prompts),
+        "train.save_steps": probe(
+            *PPO_RUN_CHANGE,
+            observe=checkpoint_steps,
+            base=PPO_RUN_BASE,
+            slow=True,
+            expect=lambda a, b: (a, b) == ([1, 2], [2]),
+        ),
+        "train.keep_last": probe(
+            "{stage}.train.keep_last=1",
+            observe=checkpoint_steps,
+            base=PPO_RUN_BASE,
+            slow=True,
+            expect=lambda a, b: (a, b) == ([1, 2], [2]),
+        ),
+        "train.log_steps": probe(
+            *PPO_RUN_CHANGE,
+            observe=logged_steps,
+            base=PPO_RUN_BASE,
+            slow=True,
+            expect=lambda a, b: (a, b) == ([1, 2, 3], [2, 3]),
+        ),
+        "train.eval_prompts": probe("{stage}.train.eval_prompts=4", observe=ppo_controller),
+        "train.gold_reward": probe("{stage}.train.gold_reward=null", observe=ppo_controller),
+    }
+    if trains_actor:
+        out["train.freeze_actor_steps"] = probe("{stage}.train.freeze_actor_steps=1", observe=ppo_controller)
+        out["train.save_critic"] = probe(
+            *PPO_RUN_CHANGE,
+            "{stage}.train.save_critic=false",
+            observe=critic_written,
+            base=PPO_RUN_BASE,
+            slow=True,
+            expect=lambda a, b: (a, b) == (True, False),
+        )
+        # the same run as save_steps / log_steps: one run for the three
+        for key in ("train.save_steps", "train.log_steps"):
+            out[key] = dataclasses.replace(out[key], change=out["train.save_critic"].change)
+    return out
+
+
+RUN_LEVEL: dict[str, Probe] = {
+    "run_uri": probe("run_uri={tmp}/elsewhere", observe=store_location),
+    "storage.endpoint_url": probe(
+        "storage.endpoint_url=http://127.0.0.1:9", observe=store_location, base=("run_uri=s3://probe-bucket/run",)
+    ),
+    "storage.key": probe("storage.key=probe-key", observe=store_location, base=("run_uri=s3://probe-bucket/run",)),
+    "storage.secret": probe(
+        "storage.secret=probe-secret", observe=store_location, base=("run_uri=s3://probe-bucket/run",)
+    ),
+    "storage.region": probe(
+        "storage.region=eu-probe-1", observe=store_location, base=("run_uri=s3://probe-bucket/run",)
+    ),
+}
+
+
+def _section(kind: str, probes: dict[str, Probe], base: tuple[str, ...] = ()) -> dict[str, Probe]:
+    out = {
+        f"{kind}.kind": probe(
+            *KIND_CHANGES[kind], observe=stage_runner, base=base, preset=KIND_PRESETS.get(kind, TINY)
+        )
+    }
+    for rel, p in probes.items():
+        if rel not in STAGE_KINDS[kind].unused:  # undocumented and refused: test_unused_keys_are_refused
+            out[f"{kind}.{rel}"] = dataclasses.replace(p, base=base + p.base)
+    return out
+
+
+EFFECTS: dict[str, Probe] = {
+    **RUN_LEVEL,
+    **_section("sft", SFT_SECTION),
+    **_section("reward_model", REWARD_MODEL_SECTION, RM_BASE),
+    **_section("critic_init", CRITIC_INIT_SECTION),
+    **_section("critic_warmup", _ppo_section("critic_warmup"), PPO_BASE),
+    **_section("ppo", _ppo_section("ppo"), PPO_BASE),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fixtures: a second tokenizer, models with custom code, tiny reward models
+
+
+REMOTE_CONFIG = """
+from transformers import LlamaConfig
+
+
+class ProbeConfig(LlamaConfig):
+    model_type = "keyprobe"
+"""
+REMOTE_MODELLING = """
+from torch import nn
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel, LlamaPreTrainedModel
+
+from .configuration_keyprobe import ProbeConfig
+
+
+class ProbeForCausalLM(LlamaForCausalLM):
+    config_class = ProbeConfig
+
+
+class ProbeForSequenceClassification(LlamaForSequenceClassification):
+    config_class = ProbeConfig
+
+    def __init__(self, config):  # the backbone built directly: AutoModel does not know this config class
+        LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = LlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+"""
+
+
+def _with_remote_code(model: torch.nn.Module, tokenizer, out: Path, architecture: str) -> str:
+    """Save ``model`` as a directory whose config needs its own modelling code (config.json auto_map)."""
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / "configuration_keyprobe.py").write_text(REMOTE_CONFIG)
+    (out / "modeling_keyprobe.py").write_text(REMOTE_MODELLING)
+    config = json.loads((out / "config.json").read_text())
+    config.update(model_type="keyprobe", architectures=[architecture], auto_map={
+        "AutoConfig": "configuration_keyprobe.ProbeConfig",
+        "AutoModelForCausalLM": "modeling_keyprobe.ProbeForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_keyprobe.ProbeForSequenceClassification",
+    })  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def paths(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("config-keys")
+    tokenizer = load_tokenizer("builtin:tiny")
+    alt = load_tokenizer("builtin:tiny")
+    alt.add_special_tokens({"additional_special_tokens": ["<|probe|>"]})
+    alt.save_pretrained(str(root / "alt_tokenizer"))
+    out = {"alt_tokenizer": str(root / "alt_tokenizer"), "tmp": str(root)}
+    lm = build_causal_lm("builtin:tiny", tokenizer, seed=0, dtype=torch.float32, attn="sdpa")
+    out["remote_code_model"] = _with_remote_code(lm, tokenizer, root / "remote_lm", "ProbeForCausalLM")
+    for seed in (0, 1):
+        rm = build_scalar_model("builtin:tiny", tokenizer, seed=seed, dtype=torch.float32, attn="sdpa")
+        rm.config.reward_mean, rm.config.reward_std = 0.5 + seed, 2.0  # as the reward-model stage stores them
+        rm.save_pretrained(str(root / f"rm{seed}"))
+        tokenizer.save_pretrained(str(root / f"rm{seed}"))
+        out[f"rm_seed{seed}"] = str(root / f"rm{seed}")
+    rm = build_scalar_model("builtin:tiny", tokenizer, seed=0, dtype=torch.float32, attn="sdpa")
+    rm.config.reward_mean, rm.config.reward_std = 0.5, 2.0  # usable as a PPO reward model with normalize_reward
+    out["remote_code_rm"] = _with_remote_code(rm, tokenizer, root / "remote_rm", "ProbeForSequenceClassification")
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                 "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", events.EVENTS_ENV):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RLHF_WORK_DIR", str(tmp_path / "work"))
+
+
+def configs(key: str, p: Probe, paths: dict[str, str]) -> tuple[PipelineConfig, PipelineConfig, str]:
+    """(tiny preset + base, tiny preset + base + change, stage) for ``key``, each in its own run directory."""
+    stage = key.split(".")[0] if "." in key and key.split(".")[0] not in ("storage",) else "sft"
+
+    def load(overrides: tuple[str, ...]) -> PipelineConfig:
+        filled = [o.format(stage=stage, **paths) for o in overrides]
+        run = Path(paths["tmp"]) / "runs" / hashlib.sha256(json.dumps([key, filled]).encode()).hexdigest()[:16]
+        return load_config(p.preset, [f"run_uri={run}", *filled])
+
+    return load(p.base), load(p.base + p.change), stage
+
+
+def check(key: str, paths: dict[str, str]) -> None:
+    p = EFFECTS[key]
+    base, changed, stage = configs(key, p, paths)
+    before, after = p.observe(base, stage), p.observe(changed, stage)
+    what = f"{p.observe.__name__} ({' '.join((p.observe.__doc__ or '').split())})"
+    assert before != after, f"{key}: no effect on {what}: {_short(before)}"
+    if p.expect is not None:
+        assert p.expect(before, after), f"{key}: unexpected change of {what}: {_short(before)} -> {_short(after)}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 300 else text[:300] + "..."
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tests
+
+
+def documented_keys() -> set[str]:
+    return {key for key, _, _ in describe(PipelineConfig)}
+
+
+def test_every_documented_key_has_a_probe():
+    documented = documented_keys()
+    assert not documented - set(EFFECTS), f"documented keys without a probe: {sorted(documented - set(EFFECTS))}"
+    assert not set(EFFECTS) - documented, f"probes of undocumented keys: {sorted(set(EFFECTS) - documented)}"
+
+
+def test_unused_keys_are_refused(tmp_path):
+    """Each kind's StageKind.unused keys (keys of its shared section classes that it has no use for) are real keys of
+    the section, left out of the documentation, and refused by name when an override or a preset sets them."""
+    documented = documented_keys()
+    preset = yaml.safe_load(TINY.read_text())
+    for kind, spec in STAGE_KINDS.items():
+        section_keys = {row[0] for row in describe(spec.section, kind)}
+        for rel in sorted(spec.unused):
+            key = f"{kind}.{rel}"  # the tiny preset's stage of each kind is named after it
+            assert key in section_keys and key not in documented, key
+            refused = re.escape(f"'{key}' does not apply to a {kind} stage")
+            with pytest.raises(ConfigError, match=refused):
+                load_config(TINY, [f"run_uri={tmp_path}", f"{key}=1"])
+            edited = json.loads(json.dumps(preset))  # the preset with the key set in the stage's section
+            section = edited["stages"][kind]
+            *parents, leaf = rel.split(".")
+            for part in parents:
+                section = section.setdefault(part, {})
+            section[leaf] = 1
+            path = tmp_path / f"{kind}.yaml"
+            path.write_text(yaml.safe_dump(edited))
+            with pytest.raises(ConfigError, match=refused):
+                load_config(path, [f"run_uri={tmp_path}"])
+
+
+FAST = sorted(k for k, p in EFFECTS.items() if not p.slow)
+SLOW = sorted(k for k, p in EFFECTS.items() if p.slow)
+
+
+@pytest.mark.parametrize("key", FAST)
+def test_key_changes_behaviour(key, paths):
+    check(key, paths)
+
+
+@pytest.fixture(scope="module")
+def in_process_world():
+    """The one-rank DeepSpeed world of the in-process roles and engines (made on first use), ended after the module
+    so that later tests find no process group."""
+    yield
+    import torch.distributed as dist
+
+    _REPORTS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for name, value in _SAVED_ENV.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _SAVED_ENV.clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", SLOW)
+def test_key_changes_behaviour_in_a_run(key, paths, ray_cluster, in_process_world):
+    check(key, paths)
