@@ -24,10 +24,8 @@ format: setup
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-# Two pytest workers: the suite mostly waits (Ray, vLLM and Prefect start-up), so two streams overlap well on 2
-# cores. Tests sharing session fixtures run in one worker (xdist_group marks, tests/conftest.py).
 test: setup
-	$(PY) -m pytest tests -q -n 2 --dist loadgroup $(ARGS)
+	$(PY) -m pytest tests -q $(ARGS)
 
 # Under 3 minutes: math, config, data, storage (real S3 server), stage graph, launcher, architecture; no Ray jobs.
 test-fast: setup
