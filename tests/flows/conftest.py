@@ -92,9 +92,10 @@ def work_pool(prefect_server):
         timeout=120,
     )
     log = prefect_server["home"] / "worker.log"
+    worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "2"}  # picks deployed runs up within 2 s (default 10)
     worker = subprocess.Popen(
         [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--limit", "2"],
-        env=env,
+        env=worker_env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

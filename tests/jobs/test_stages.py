@@ -3,6 +3,8 @@
 One SFT run (2 workers, ZeRO-2) serves as the baseline for the ZeRO-3 runs, the resume test and the reward model.
 """
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -115,8 +117,24 @@ def test_reward_model_learns_the_gold_preference_and_stores_stats(sft_run):
     assert critic_config.reward_std == pytest.approx(ref.metrics["reward_std"])
 
 
-def test_sft_bf16_one_worker(tmp_path, ray_cluster):
-    ref = sft.run(cfg_for(tmp_path, "sft.strategy.precision=bf16", "sft.data.max_samples=64"))
+def test_sft_bf16_one_worker(tmp_path, ray_cluster, monkeypatch):
+    # Also: the rank-0 worker reports its steps as structured events (Ray workers see RLHF_EVENTS_FILE), and its
+    # checkpoints record the ranks that wrote them.
+    events_file = tmp_path / "events.jsonl"
+    monkeypatch.setenv("RLHF_EVENTS_FILE", str(events_file))
+    run_dir = tmp_path / "run"
+    overrides = ["sft.strategy.precision=bf16", "sft.data.max_samples=64", "sft.train.save_steps=1",
+                 "sft.train.log_steps=1"]  # fmt: skip
+    ref = sft.run(cfg_for(run_dir, *overrides))
     assert ref.metrics["loss_end"] < ref.metrics["loss_start"]
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sft"))
+    model = AutoModelForCausalLM.from_pretrained(str(run_dir / "sft"))
     assert model.config.dtype == torch.bfloat16
+
+    events = [json.loads(line) for line in events_file.read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [(e["stage"], e["step"], e["total"]) for e in steps] == [("sft", k, 4) for k in range(1, 5)]
+    assert set(steps[0]["metrics"]) >= {"loss", "lr"} and isinstance(steps[0]["metrics"]["loss"], float)
+    history = json.loads((run_dir / "sft" / "metrics.json").read_text())["history"]
+    assert [e["metrics"]["loss"] for e in steps] == [h["loss"] for h in history]
+    manifest = ObjectStore(str(run_dir)).read_manifest("sft/checkpoints/step_00000003")
+    assert manifest.extra == {"step": 3, "workers": {"strategy.num_workers": 1}}
