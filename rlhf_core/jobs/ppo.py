@@ -69,7 +69,6 @@ from rlhf_core.storage import ObjectStore
 from rlhf_core.types import CheckpointRef
 
 KIND = "ppo"
-STAGE = KIND  # the default stage name of this kind
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -551,7 +550,7 @@ def _fmt(logs: dict) -> str:
 # Entry points
 
 
-def run(cfg: PipelineConfig, stage: str = STAGE, train_actor: bool = True) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> CheckpointRef:
     # 1. inputs: config hash (with the upstream outputs' hashes), finished output, then the models
     p: PPOConfig = cfg.stage(stage)
     models = {"actor": p.actor, "critic": p.critic, "reward": p.reward}
