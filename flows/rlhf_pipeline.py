@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from rlhf_core.config import ConfigError, PipelineConfig, load_config, to_yaml
 from tasks._launch import ROOT, kill_all_jobs
-from tasks.stages import RESULTS, RunSpec, existing_refs, run_store, stage_task
+from tasks.stages import RESULTS, RunSpec, existing_refs, open_store, stage_task
 
 PRESETS = ROOT / "deployments" / "configs"
 SECRET_KEYS = ("storage.key", "storage.secret")
@@ -77,7 +77,7 @@ def resolve(params: PipelineParams) -> tuple[PipelineConfig, str]:
 
 def result_storage(cfg: PipelineConfig) -> Any:
     """Prefect result storage inside the run's own location (a saved block: Prefect requires one)."""
-    base = run_store(cfg).uri(RESULTS)
+    base = open_store(cfg).uri(RESULTS)
     name = "rlhf-results-" + hashlib.sha256(base.encode()).hexdigest()[:12]
     if "://" in base and not base.startswith("file://"):
         endpoint = cfg.storage.endpoint_url
@@ -97,7 +97,7 @@ def _kill_jobs(flow, flow_run, state) -> None:  # Prefect hook signature
 def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B008 (the UI form's defaults)
     logger = get_run_logger()
     cfg, run_uri = resolve(params)
-    store = run_store(cfg)
+    store = open_store(cfg)
     store.write_text("config.yaml", to_yaml(cfg))
     store.write_json("pipeline.json", params.model_dump())
     create_markdown_artifact(f"```yaml\n{to_yaml(cfg)}```", key="resolved-config", description=f"config of {run_uri}")

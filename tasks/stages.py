@@ -22,7 +22,6 @@ from prefect.context import TaskRunContext
 
 from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config, stage_hash
 from rlhf_core.jobs.common import committed_ref, existing_output, open_store
-from rlhf_core.storage import ObjectStore
 from tasks._launch import StageJobError, launch_stage
 
 RESULTS = "_prefect/results"  # under the run's location; flows.rlhf_pipeline.result_storage points there
@@ -99,11 +98,6 @@ def stage_task(stage: str, kind: str, result_storage: Any, retries: int) -> Any:
         name=stage, task_run_name=stage, description=STAGE_KINDS[kind].description, result_storage=result_storage,
         retries=retries,
     )  # fmt: skip
-
-
-def run_store(cfg: PipelineConfig) -> ObjectStore:
-    """The run's object store (a plain local run_uri made absolute)."""
-    return open_store(cfg)
 
 
 def existing_refs(cfg: PipelineConfig, names: list[str]) -> dict[str, dict]:
