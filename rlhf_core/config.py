@@ -103,6 +103,9 @@ class StrategyConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto = cuda when a GPU is visible, else cpu.")
     cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per worker.")
     threads_per_worker: int = opt(1, "torch/OMP threads per worker (avoid oversubscription on small machines).")
+    resources: dict[str, float] = opt(
+        {}, "Ray custom resources each worker asks for, e.g. {node_a: 1} pins the group to nodes started with it."
+    )
 
 
 @dataclass
@@ -164,6 +167,18 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, "Devices per vLLM engine.")
     cpus_per_engine: float = opt(1.0, "Ray CPUs reserved per engine.")
     kv_cache_gib: int = opt(1, "vLLM CPU KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = opt(
+        0.9, "vLLM's share of each GPU for weights and KV cache (GPU only; lower it with colocate_all, e.g. 0.4)."
+    )
+    enforce_eager: bool | None = opt(None, "vLLM without CUDA graphs; null = eager on CPU, graphs on GPU.")
+    enable_sleep: bool = opt(
+        False, "vLLM sleep mode: engines free their GPU memory while the models train, wake to generate (GPU)."
+    )
+    weight_sync_backend: Literal["auto", "gloo", "nccl", "cuda_ipc"] = opt(
+        "auto", "Actor -> engine weight transport; auto = cuda_ipc with colocate_all on GPU, nccl on GPU, else gloo."
+    )
+    weight_sync_bucket_mb: int = opt(1024, "Weights travel in buckets of about this many MiB (one collective each).")
+    resources: dict[str, float] = opt({}, "Ray custom resources each engine asks for (pins engines to nodes).")
     n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
     temperature: float = opt(1.0, "Sampling temperature.")
     top_p: float = opt(1.0, "Nucleus sampling threshold.")
@@ -227,6 +242,15 @@ class PPOConfig:
     reward_workers: int = opt(1, "Reward-model Ray actors.")
     reference_workers: int = opt(1, "Reference-policy Ray actors.")
     frozen_cpus_per_worker: float = opt(0.5, "Ray CPUs reserved per reward/reference worker.")
+    frozen_zero_stage: int = opt(
+        0, "Reward and reference: 0 = a full replica per worker; 3 = partitioned over their workers (ZeRO-3)."
+    )
+    frozen_offload: bool = opt(False, "With frozen_zero_stage 3: reward/reference parameters live on the CPU.")
+    reward_resources: dict[str, float] = opt({}, "Ray custom resources each reward worker asks for.")
+    reference_resources: dict[str, float] = opt({}, "Ray custom resources each reference worker asks for.")
+    offload_states_during_rollout: bool = opt(
+        False, "Move actor/critic DeepSpeed states (optimizer, gradients) to the CPU while the engines generate."
+    )
     colocate_actor_ref: bool = opt(False, "Place reference workers on the actor workers' devices (placement group).")
     colocate_critic_reward: bool = opt(False, "Place reward workers on the critic workers' devices.")
     colocate_all: bool = opt(False, "Actor, critic, reward and reference workers share the actor's devices.")
@@ -454,9 +478,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         key = _join(prefix, name)
         if name in data:
             value = data[name]
-            if isinstance(value, dict) and f.default_factory is not MISSING:  # type: ignore[misc]
+            default = f.default_factory() if f.default_factory is not MISSING else None  # type: ignore[misc]
+            if isinstance(value, dict) and dataclasses.is_dataclass(default):
                 # A partial section overrides the stage's own defaults (e.g. the RM's higher learning rate).
-                value = _deep_merge(dataclasses.asdict(f.default_factory()), value)  # type: ignore[misc]
+                value = _deep_merge(dataclasses.asdict(default), value)
             kwargs[name] = _coerce(hints[name], value, key)
         elif f.default is MISSING and f.default_factory is MISSING:  # type: ignore[misc]
             raise ConfigError(f"missing required config key '{key}': {f.metadata.get('help', '')}")
@@ -484,6 +509,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in choices:
             raise ConfigError(f"invalid value {value!r} for '{key}': choose one of {', '.join(map(str, choices))}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"invalid value {value!r} for '{key}': expected a mapping, e.g. {{name: 1}}")
+        key_tp, value_tp = typing.get_args(tp)
+        return {_coerce(key_tp, k, key): _coerce(value_tp, v, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"invalid value {value!r} for '{key}': expected a list")
@@ -574,6 +604,18 @@ def _validate_ppo(name: str, p: PPOConfig) -> None:
         _check(getattr(t, key) >= 1, f"{name}.train.{key}", getattr(t, key), "must be >= 1")
     _check(r.num_engines >= 1, f"{name}.rollout.num_engines", r.num_engines, "must be >= 1")
     _check(r.tensor_parallel_size >= 1, f"{name}.rollout.tensor_parallel_size", r.tensor_parallel_size, ">= 1")
+    _check(0 < r.gpu_memory_utilization <= 1, f"{name}.rollout.gpu_memory_utilization", r.gpu_memory_utilization,
+           "must be in (0, 1]")  # fmt: skip
+    _check(r.weight_sync_bucket_mb >= 1, f"{name}.rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, ">= 1")
+    _check(p.frozen_zero_stage in (0, 3), f"{name}.frozen_zero_stage", p.frozen_zero_stage, "must be 0 or 3")
+    if p.frozen_offload and p.frozen_zero_stage != 3:
+        raise ConfigError(f"'{name}.frozen_offload' needs '{name}.frozen_zero_stage=3' (offload of partitions)")
+    if r.enable_sleep and r.backend != "vllm":
+        raise ConfigError(f"'{name}.rollout.enable_sleep' needs '{name}.rollout.backend=vllm' (vLLM sleep mode)")
+    if r.weight_sync_backend == "cuda_ipc" and not p.colocate_all:
+        raise ConfigError(
+            f"'{name}.rollout.weight_sync_backend=cuda_ipc' needs '{name}.colocate_all=true' (engines on the actor's GPUs)"
+        )
     _check(r.n_samples_per_prompt >= 1, f"{name}.rollout.n_samples_per_prompt", r.n_samples_per_prompt, ">= 1")
     _check(r.max_new_tokens >= 1, f"{name}.rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
     _check(r.temperature >= 0, f"{name}.rollout.temperature", r.temperature, "must be >= 0")
@@ -631,7 +673,12 @@ def _check(ok: bool, key: str, value: Any, why: str) -> None:
 
 # Fields that do not change what a stage computes: left out of its config hash so that, for example, keeping more
 # checkpoints or moving the run does not invalidate a finished stage or its in-stage checkpoints.
-_NOT_HASHED = {"save_steps", "keep_last", "log_steps", "num_workers", "cpus_per_worker", "threads_per_worker"}
+# Placement and transport (where a role runs, how weights travel, what sleeps between phases) change no result either.
+_NOT_HASHED = {
+    "save_steps", "keep_last", "log_steps", "num_workers", "cpus_per_worker", "threads_per_worker",
+    "resources", "reward_resources", "reference_resources", "weight_sync_backend", "weight_sync_bucket_mb",
+    "enable_sleep", "offload_states_during_rollout", "gpu_memory_utilization", "enforce_eager", "frozen_offload",
+}  # fmt: skip
 _SECRETS = {"key", "secret"}
 
 
