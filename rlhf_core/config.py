@@ -614,7 +614,8 @@ def _validate_ppo(name: str, p: PPOConfig) -> None:
         raise ConfigError(f"'{name}.rollout.enable_sleep' needs '{name}.rollout.backend=vllm' (vLLM sleep mode)")
     if r.weight_sync_backend == "cuda_ipc" and not p.colocate_all:
         raise ConfigError(
-            f"'{name}.rollout.weight_sync_backend=cuda_ipc' needs '{name}.colocate_all=true' (engines on the actor's GPUs)"
+            f"'{name}.rollout.weight_sync_backend=cuda_ipc' needs '{name}.colocate_all=true' (the engines must share "
+            "the actor's GPUs)"
         )
     _check(r.n_samples_per_prompt >= 1, f"{name}.rollout.n_samples_per_prompt", r.n_samples_per_prompt, ">= 1")
     _check(r.max_new_tokens >= 1, f"{name}.rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")

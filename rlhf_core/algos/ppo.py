@@ -6,6 +6,8 @@ positions. ``action_mask`` (B, T) is 1 on real response tokens (EOS included) an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .losses import last_token_index, masked_mean, masked_sum
@@ -178,27 +180,28 @@ def masked_whiten(
 def distributed_masked_whiten(
     x: torch.Tensor,
     mask: torch.Tensor,
-    group=None,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     shift_mean: bool = True,
     eps: float = 1e-8,
     divide_std: bool = True,
 ) -> torch.Tensor:
     """:func:`masked_whiten` with the statistics of the union of every data-parallel rank's masked entries.
 
-    All-reduces (SUM) [sum(x*m), sum(x^2*m), sum(m)] in float64 over ``group``; every rank of the group must
-    call it. Without an initialised ``torch.distributed`` this is exactly :func:`masked_whiten`.
+    ``all_reduce_sum`` sums [sum(x*m), sum(x^2*m), sum(m)] (float64) over the data-parallel ranks in place; every
+    rank must call it. The math knows no process group: the caller passes its device-aware collective
+    (``DeepSpeedStrategy.all_reduce_sum``). With None this is exactly :func:`masked_whiten`.
 
     Args:
         x: any shape, this rank's part (e.g. (B_rank, T) advantages; B and T may differ between ranks).
         mask: same shape, 0/1.
-        group: process group passed to ``all_reduce``; None = the default group.
+        all_reduce_sum: in-place SUM over the ranks of a float64 tensor of 3 elements; None = this rank alone.
     Returns:
         same shape and dtype as ``x``; 0 where ``mask`` is 0.
     """
     mask = mask.to(x.dtype)
     sums = _masked_sums(x, mask)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
+    if all_reduce_sum is not None:
+        sums = all_reduce_sum(sums)
     return _whiten_from_sums(x, mask, sums, shift_mean, divide_std, eps)
 
 

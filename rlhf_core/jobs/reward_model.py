@@ -58,17 +58,17 @@ class RewardModelImpl:
         return pairwise_reward_loss(chosen, rejected, self.margin), {"acc": acc}
 
     @torch.no_grad()
-    def evaluate(self, model, examples: list[dict], pad_id: int, batch_size: int) -> dict[str, float]:
+    def evaluate(self, model, batches) -> dict[str, float]:
         chosen, rejected = [], []
-        for lo in range(0, len(examples), batch_size):
-            c, r = self.rewards(model, self.collate(examples[lo : lo + batch_size], pad_id))
-            chosen.append(c.float())
-            rejected.append(r.float())
+        for batch in batches:
+            c, r = self.rewards(model, batch)
+            chosen.append(c.float().cpu())
+            rejected.append(r.float().cpu())
         c, r = torch.cat(chosen), torch.cat(rejected)
         everything = torch.cat([c, r])
         return {
             "eval_accuracy": (c > r).float().mean().item(),
-            "eval_pairs": len(examples),
+            "eval_pairs": len(c),
             "reward_mean": everything.mean().item(),
             "reward_std": everything.std().item(),
         }

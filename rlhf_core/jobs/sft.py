@@ -49,13 +49,12 @@ class SFTImpl:
         return sft_loss(logits, batch["input_ids"], batch["loss_mask"]), {}
 
     @torch.no_grad()
-    def evaluate(self, model, examples: list[dict], pad_id: int, batch_size: int) -> dict[str, float]:
+    def evaluate(self, model, batches) -> dict[str, float]:
         total, count = 0.0, 0
-        for lo in range(0, len(examples), batch_size):
-            chunk = examples[lo : lo + batch_size]
-            batch = self.collate(chunk, pad_id)
+        for batch in batches:
             loss, _ = self.loss(model, batch)
-            total, count = total + loss.item() * len(chunk), count + len(chunk)
+            rows = batch["input_ids"].shape[0]
+            total, count = total + loss.item() * rows, count + rows
         return {"eval_loss": total / count}
 
     def finalize(self, hf_model, metrics: dict[str, float]) -> None:

@@ -25,6 +25,7 @@ from rlhf_core.algos.ppo import (
     token_rewards,
     value_loss,
 )
+from rlhf_core.distributed import device
 
 
 def test_approx_kl_three_estimators_with_masked_position():
@@ -243,8 +244,9 @@ def _whiten_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        shifted = distributed_masked_whiten(RANK_X[rank], RANK_MASK[rank])
-        unshifted = distributed_masked_whiten(RANK_X[rank], RANK_MASK[rank], group=dist.group.WORLD, shift_mean=False)
+        # the sums travel through the device-aware collective the actor passes (gloo here: on the CPU)
+        shifted = distributed_masked_whiten(RANK_X[rank], RANK_MASK[rank], device.all_reduce_sum)
+        unshifted = distributed_masked_whiten(RANK_X[rank], RANK_MASK[rank], device.all_reduce_sum, shift_mean=False)
         torch.save({"shifted": shifted, "unshifted": unshifted}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
