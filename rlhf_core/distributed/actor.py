@@ -41,7 +41,9 @@ class PolicyActor(TrainableRole):
         """PPO epochs on this rank's shard; advantages are whitened over the whole batch across all actor ranks."""
         assert exp.advantages is not None, "the actor trains on experience with advantages"
         if self.ctx.algo.whiten_advantages:
-            exp = exp.with_advantages(distributed_masked_whiten(exp.advantages, exp.action_mask), exp.returns)
+            exp = exp.with_advantages(
+                distributed_masked_whiten(exp.advantages, exp.action_mask, self.strategy.all_reduce_sum), exp.returns
+            )
         eps, temperature = self.ctx.algo.eps_clip, self.ctx.temperature
 
         def loss_fn(model: Any, micro: Experience, num_tokens: float) -> tuple[torch.Tensor, dict]:

@@ -32,11 +32,9 @@ P = ParamSpec("P")
 
 
 def resolve_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
+    from rlhf_core.distributed.device import resolve_device as resolve
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve(requested)
 
 
 def init_ray(min_cpus: float = 1) -> bool:

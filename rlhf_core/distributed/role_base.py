@@ -3,7 +3,6 @@ checkpoint shards and export. Each role file adds its model and its loss."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from torch import nn
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.losses import window_loss_scale
 from rlhf_core.config import OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
+from rlhf_core.distributed import device
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
 from rlhf_core.distributed.trainer import export_hf, load_engine_shards, save_engine_shards
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
@@ -52,11 +52,6 @@ def logprob_temperature(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def to_device(batch: B, device: Any) -> B:
-    """``batch`` with every tensor on ``device`` (a no-op copy-free replace when already there)."""
-    return dataclasses.replace(batch, **{k: v.to(device) for k, v in batch.tensors().items()})
-
-
 class TrainableRole:
     """One rank of a DeepSpeed-trained role. Subclasses implement ``build_model``."""
 
@@ -88,7 +83,7 @@ class TrainableRole:
         """``fn(engine, micro_batch)`` over micro-batches of the rollout batch size, concatenated (eval mode)."""
         self.engine.eval()
         outputs = [
-            fn(self.engine, to_device(micro, self.device)).float().cpu()
+            fn(self.engine, device.to_device(micro, self.device)).float().cpu()
             for micro in batch.split(self.ctx.micro_rollout_batch_size)
         ]
         self.engine.train()
@@ -128,7 +123,7 @@ class TrainableRole:
             windows += len(window_tokens)
             for i, micro in enumerate(micros):
                 num_tokens = max(float(window_tokens[i // gas]), 1.0) / scale
-                loss, stats = loss_fn(self.engine, to_device(micro, self.device), num_tokens)
+                loss, stats = loss_fn(self.engine, device.to_device(micro, self.device), num_tokens)
                 self.engine.backward(loss)
                 self.engine.step()
                 loss_sum += loss.item() / scale  # this micro-batch's share of its window's token mean

@@ -8,7 +8,6 @@ gloo joins the ranks on CPU and NCCL on GPU; optimizer offload uses DeepSpeedCPU
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -16,12 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
+from rlhf_core.distributed import device
 
 
 class DeepSpeedStrategy:
     def __init__(self, cfg: StrategyConfig, optim: OptimConfig, train: TrainConfig):
         self.cfg, self.optim_cfg, self.train_cfg = cfg, optim, train
-        self.device = os.environ.get("RLHF_DEVICE", "cpu")
+        self.device = device.current().type  # "cpu" or "cuda", chosen once by the driver (RLHF_DEVICE)
         self.rank, self.world_size = 0, 1
 
     # -- process group ------------------------------------------------------------------------------------------------
@@ -29,7 +29,7 @@ class DeepSpeedStrategy:
         import deepspeed
 
         if self.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device.current())
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.device == "cuda" else "gloo")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -82,33 +82,22 @@ class DeepSpeedStrategy:
         )
         return engine
 
-    # -- collectives --------------------------------------------------------------------------------------------------
+    # -- collectives (device-aware: rlhf_core.distributed.device) -----------------------------------------------------
     def all_reduce_mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        return self.all_reduce_sum(t).item() / self.world_size
+        return device.all_reduce_mean(value)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """In place: the element-wise sum over all ranks of a CPU tensor (moved to the device for NCCL)."""
-        if self.world_size == 1 and not dist.is_initialized():
-            return tensor
-        work = tensor.to("cuda") if self.device == "cuda" else tensor
-        dist.all_reduce(work)
-        if work is not tensor:
-            tensor.copy_(work.cpu())
-        return tensor
+        """In place: the element-wise sum over all ranks, issued on the process group's device (any input device)."""
+        return device.all_reduce_sum(tensor)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        return device.all_gather_object(obj)
 
     def broadcast_object(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return device.broadcast_object(obj)
 
     def barrier(self) -> None:
-        dist.barrier()
+        device.barrier()
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def save_checkpoint(self, engine: Any, local_dir: str, client_state: dict) -> None:

@@ -13,6 +13,7 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ from torch import nn
 from rlhf_core import events
 from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
+from rlhf_core.distributed import device
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
 from rlhf_core.storage import ObjectStore
@@ -53,7 +55,7 @@ class StageImpl(Protocol):
     def build_model(self, ctx: StageContext, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module: ...
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]: ...
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
-    def evaluate(self, model: nn.Module, examples: list[dict], pad_id: int, batch_size: int) -> dict[str, float]: ...
+    def evaluate(self, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]: ...
     def finalize(self, hf_model: nn.Module, metrics: dict[str, float]) -> None: ...
 
 
@@ -96,6 +98,7 @@ class SupervisedTrainer:
         n = len(self.train_examples)
         steps = total_steps(n, t.train_batch_size, t.max_epochs, t.max_steps)
         engine = strategy.prepare(model, steps)
+        self.device = next(engine.module.parameters()).device
         pad_id = tokenizer.pad_token_id
 
         # 2. resume from the newest complete checkpoint of this config
@@ -117,7 +120,7 @@ class SupervisedTrainer:
             sums: dict[str, float] = {}
             for lo in range(0, len(indices), t.micro_train_batch_size):
                 micro = [self.train_examples[i] for i in indices[lo : lo + t.micro_train_batch_size]]
-                loss, metrics = self.impl.loss(engine, self.impl.collate(micro, pad_id))
+                loss, metrics = self.impl.loss(engine, self._batch(micro, pad_id))
                 engine.backward(loss)
                 engine.step()
                 for k, v in {"loss": loss.item(), **metrics}.items():
@@ -147,7 +150,9 @@ class SupervisedTrainer:
             "loss_end": history[-1]["loss"] if history else None,
         }
         if self.eval_examples:
-            metrics.update(self.impl.evaluate(engine, self.eval_examples, pad_id, t.eval_batch_size))
+            chunks = range(0, len(self.eval_examples), t.eval_batch_size)
+            batches = (self._batch(self.eval_examples[lo : lo + t.eval_batch_size], pad_id) for lo in chunks)
+            metrics.update(self.impl.evaluate(engine, batches))
         weights = strategy.full_state_dict(engine)
         if strategy.rank == 0:
             self._export(engine.module, weights, tokenizer, metrics)
@@ -155,6 +160,10 @@ class SupervisedTrainer:
         strategy.barrier()
         shutil.rmtree(self.work, ignore_errors=True)
         return metrics
+
+    def _batch(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        """The collated micro-batch on this rank's device (the one path every training and eval batch takes)."""
+        return device.to_device(self.impl.collate(examples, pad_id), self.device)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def _save_checkpoint(self, engine: Any, state: dict) -> None:
