@@ -7,7 +7,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # One place for DeepSpeed's compiled ops (CPU Adam, shared-memory comm) so tests and CI pay the build once.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: setup demo lint format test test-fast clean
+.PHONY: setup demo lint format test test-fast gpu-wheels gpu-check clean
 
 setup:
 	bash scripts/setup.sh
@@ -30,6 +30,13 @@ test: setup
 # Under 3 minutes: math, config, data, storage (real S3 server), stage graph, launcher, architecture; no Ray jobs.
 test-fast: setup
 	$(PY) -m pytest tests -q -m "not slow" $(ARGS)
+
+# GPU machine: wheels of the project and DeepSpeed for it (build/gpu_wheels/), then the GPU check (README).
+gpu-wheels: setup
+	bash scripts/build_gpu_wheels.sh
+
+gpu-check:
+	bash scripts/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -287,14 +287,19 @@ class ObjectStore:
         except ArtifactError:
             return False
 
-    def download_artifact(self, rel: str, local_dir: str | os.PathLike, only: str | None = None) -> Manifest:
-        """Download every file in rel's manifest (or those under the subfolder ``only``) to local_dir, verify
-        sha256, write the manifest last."""
+    def download_artifact(
+        self, rel: str, local_dir: str | os.PathLike, only: str | None = None,
+        keep: Callable[[str], bool] | None = None,
+    ) -> Manifest:  # fmt: skip
+        """Download every file in rel's manifest (or those under the subfolder ``only``, and of them those whose
+        manifest path ``keep`` accepts) to local_dir, verify sha256, write the manifest last."""
         m = self.read_manifest(rel, verify=False)
         out = Path(local_dir)
         out.mkdir(parents=True, exist_ok=True)
         for name, ent in sorted(m.files.items()):
             if only is not None and not name.startswith(only.rstrip("/") + "/"):
+                continue
+            if keep is not None and not keep(name):
                 continue
             dest = out / name
             dest.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ def ray_cluster():
     """One local Ray for the whole session (the jobs reuse an initialised Ray instead of starting their own)."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True)  # logical CPUs: roles share the 2 cores
+    # logical CPUs: roles share the 2 cores; probe_node: a custom resource for the resources keys' probes
+    ray.init(num_cpus=8, resources={"probe_node": 100}, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
 

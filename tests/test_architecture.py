@@ -93,3 +93,58 @@ def test_task_progress_comes_from_job_events_not_log_text():
         assert "re" not in {n.split(".")[0] for n in imported_modules(path)}, f"{path} parses text with re"
     launch = (ROOT / "tasks" / "_launch.py").read_text()
     assert "read_new" in launch and "EVENTS_ENV" in launch
+
+
+# torch.distributed's collectives, and the methods a ProcessGroup object exposes for them.
+COLLECTIVES = {
+    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "all_to_all", "all_gather_object", "broadcast_object_list", "scatter", "gather", "reduce", "barrier",
+}  # fmt: skip
+GROUP_METHODS = {"allreduce", "allgather", "broadcast", "all_reduce", "reduce_scatter", "alltoall"}
+DEVICE_MODULE = ROOT / "rlhf_core" / "distributed" / "device.py"
+
+
+def _collective_calls(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of each torch.distributed collective issued in ``path``: ``dist.X(...)`` /
+    ``torch.distributed.X(...)``, ``<group>.broadcast/allreduce(...)`` on any object, and collectives imported by
+    name from torch.distributed."""
+    tree = ast.parse(path.read_text())
+    aliases = {"torch.distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [
+                (node.lineno, f"from torch.distributed import {a.name}") for a in node.names if a.name in COLLECTIVES
+            ]
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "torch"
+            and any(a.name == "distributed" for a in node.names)
+        ):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        attr, receiver = node.func.attr, ast.unparse(node.func.value)
+        if (attr in COLLECTIVES and receiver in aliases) or attr in GROUP_METHODS:
+            found.append((node.lineno, f"{receiver}.{attr}(...)"))
+    return found
+
+
+def test_every_collective_goes_through_the_device_aware_helper():
+    """NCCL refuses CPU tensors and gloo CUDA ones: every collective of the project's own code is issued by
+    rlhf_core/distributed/device.py, which moves the tensor to the group's device. Anywhere else a torch.distributed
+    collective (``dist.all_reduce``, ``group.broadcast``, ...) is an offender; DeepSpeed's own collectives are
+    DeepSpeed's business."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} {what}"
+        for path in sorted((ROOT / "rlhf_core").rglob("*.py"))
+        if path != DEVICE_MODULE
+        for line, what in _collective_calls(path)
+    ]
+    assert not offenders, offenders
+    # and the helper really is the one issuing them
+    issued = {what.split("(")[0].rsplit(".", 1)[-1] for _, what in _collective_calls(DEVICE_MODULE)}
+    assert {"all_reduce", "broadcast", "all_gather_object", "broadcast_object_list", "barrier"} <= issued, issued

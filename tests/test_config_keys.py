@@ -99,6 +99,8 @@ def outcome(fn: Callable[[], Any]) -> Any:
 
 def fingerprint(model: torch.nn.Module) -> dict:
     """What a built model is: class, attention, dtype, vocabulary, parameter count and a weight checksum."""
+    if type(model).__name__ == "DeepSpeedEngine":  # a frozen role partitioned with ZeRO-3 (frozen_zero_stage)
+        model = model.module
     model = getattr(model, "hf_model", model)  # ScalarHeadModel wraps the Hugging Face model
     params = list(model.parameters())
     return {
@@ -235,10 +237,12 @@ class WorkerReport:
     def fit(self) -> dict:
         import ray
 
+        assigned = ray.get_runtime_context().get_assigned_resources()
         return {
             "world_size": int(os.environ["WORLD_SIZE"]),
             "torch_threads": torch.get_num_threads(),
-            "cpus": ray.get_runtime_context().get_assigned_resources().get("CPU"),
+            "cpus": assigned.get("CPU"),
+            "custom": {k: v for k, v in assigned.items() if k not in ("CPU", "GPU", "memory")},
         }
 
 
@@ -466,6 +470,12 @@ TRAINING_SECTION: dict[str, Probe] = {
         slow=True,
         expect=lambda a, b: b[0]["torch_threads"] == 2,
     ),
+    "strategy.resources": probe(  # the session's Ray offers the custom resource probe_node (tests/conftest.py)
+        "{stage}.strategy.resources={{probe_node: 2}}",
+        observe=worker_group,
+        slow=True,
+        expect=lambda a, b: a[0]["custom"] == {} and b[0]["custom"] == {"probe_node": 2.0},
+    ),
     "optim.lr": probe("{stage}.optim.lr=0.25", observe=engine, slow=True, expect=lambda a, b: b["lr"] == 0.25),
     "optim.weight_decay": probe(
         "{stage}.optim.weight_decay=0.1", observe=engine, slow=True, expect=lambda a, b: b["weight_decay"] == 0.1
@@ -645,6 +655,8 @@ def ppo_plan(cfg: PipelineConfig, stage: str) -> Any:
         "optimizer_steps": ppo.optimizer_steps(p, 10),
         "cpu": ppo.resource_demand(p, "cpu"), "cuda": ppo.resource_demand(p, "cuda"),
         "fits_cpu": outcome(lambda: ppo.check_fits(stage, p, "cpu", {"CPU": 64})),
+        "fits_cuda": outcome(lambda: ppo.check_fits(stage, p, "cuda", {"CPU": 64, "GPU": 64})),
+        "weight_sync": {d: outcome(lambda d=d: ppo.weight_sync_backend(stage, p, d)) for d in ("cpu", "cuda")},
     }  # fmt: skip
 
 
@@ -728,7 +740,8 @@ class LocalEngine:
 
 
 def local_engines(count: int, model_path: str, *, backend: str = "vllm", tensor_parallel_size: int = 1,
-                  num_cpus_per_engine: float = 1, env_vars=None, **kwargs) -> list[LocalEngine]:  # fmt: skip
+                  num_cpus_per_engine: float = 1, env_vars=None, placement=None, share: float = 1.0,
+                  resources=None, **kwargs) -> list[LocalEngine]:  # fmt: skip
     """rollout_engine.create_engines for the HF backend, each engine in this process."""
     from rlhf_core.distributed.rollout_engine import HFGenerateEngine
 
@@ -842,6 +855,42 @@ def ppo_roles(cfg: PipelineConfig, stage: str) -> Any:
 
         _REPORTS[key] = outcome(run)
     return _REPORTS[key]
+
+
+def actor_sync_plan(cfg: PipelineConfig, stage: str) -> Any:
+    """PPOController.start() in-process, then the buckets the actor's weight push sends (and, under ZeRO-3, gathers):
+    the number of tensors in each bucket of its parameters' plan."""
+    from rlhf_core.distributed.weight_sync import bucket_plan
+
+    def run():
+        with in_process_roles():
+            c = _ppo_setup(cfg, stage)
+            try:
+                c.start()
+                actor = c.actor.obj
+                return [len(b) for b in bucket_plan(actor._param_specs(), actor.bucket_bytes)]
+            finally:
+                c.shutdown()
+
+    return outcome(run)
+
+
+def frozen_engines(cfg: PipelineConfig, stage: str) -> Any:
+    """PPOController.start() in-process, then how the reward and reference models were built: the DeepSpeed inference
+    config of a partitioned one (frozen_zero_stage 3), else None. Nothing runs after start(): in one process, a ZeRO-3
+    role's DeepSpeed state would reach the other roles' models (in a run each role is its own Ray worker)."""
+
+    def run():
+        with in_process_roles():
+            c = _ppo_setup(cfg, stage)
+            try:
+                c.start()
+                groups = (("reward", c.reward), ("reference", c.reference))
+                return {role: getattr(g.obj.strategy, "engine_config", None) for role, g in groups if g is not None}
+            finally:
+                c.shutdown()
+
+    return outcome(run)
 
 
 def report_part(*path: str, doc: str):
@@ -986,6 +1035,9 @@ def _ppo_section(kind: str) -> dict[str, Probe]:
                 expect=lambda a, b: (a["attn"], b["attn"]) == ("sdpa", "eager"),
             ),
             f"{role}_strategy.cpus_per_worker": probe(f"{s}.cpus_per_worker=2.0", observe=ppo_plan),
+            f"{role}_strategy.resources": probe(
+                f"{s}.resources={{{{node_a: 1}}}}", observe=ppo_plan, expect=lambda a, b: b["cpu"]["node_a"] == 1
+            ),
             f"{role}_strategy.threads_per_worker": probe(
                 f"{s}.threads_per_worker=2",
                 observe=role_workers(role),
@@ -1034,6 +1086,34 @@ def _ppo_section(kind: str) -> dict[str, Probe]:
         "reward_workers": probe("{stage}.reward_workers=2", observe=ppo_plan),
         "reference_workers": probe("{stage}.reference_workers=2", observe=ppo_plan),
         "frozen_cpus_per_worker": probe("{stage}.frozen_cpus_per_worker=1.0", observe=ppo_plan),
+        "frozen_zero_stage": probe(
+            "{stage}.frozen_zero_stage=3",
+            observe=frozen_engines,
+            slow=True,
+            expect=lambda a, b: a["reward"] is None and b["reward"]["zero_optimization"]["stage"] == 3,
+        ),
+        "frozen_offload": probe(
+            "{stage}.frozen_offload=true",
+            observe=frozen_engines,
+            base=("{stage}.frozen_zero_stage=3",),
+            slow=True,
+            expect=lambda a, b: (
+                "offload_param" not in a["reward"]["zero_optimization"]
+                and b["reward"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+            ),
+        ),
+        "reward_resources": probe(
+            "{stage}.reward_resources={{node_b: 1}}", observe=ppo_plan, expect=lambda a, b: b["cpu"]["node_b"] == 1
+        ),
+        "reference_resources": probe(
+            "{stage}.reference_resources={{node_b: 1}}", observe=ppo_plan, expect=lambda a, b: b["cpu"]["node_b"] == 1
+        ),
+        "offload_states_during_rollout": probe(  # DeepSpeed offloads optimizer states of ZeRO 1-3 only
+            "{stage}.offload_states_during_rollout=true",
+            observe=ppo_plan,
+            base=("{stage}.critic_strategy.zero_stage=0",),
+            expect=lambda a, b: a["fits_cpu"] is None and b["fits_cpu"] == ("raised", "ConfigError"),
+        ),
         "colocate_actor_ref": probe("{stage}.colocate_actor_ref=true", observe=ppo_plan),
         "colocate_critic_reward": probe("{stage}.colocate_critic_reward=true", observe=ppo_plan),
         "colocate_all": probe("{stage}.colocate_all=true", observe=ppo_plan),
@@ -1043,6 +1123,44 @@ def _ppo_section(kind: str) -> dict[str, Probe]:
             "{stage}.rollout.tensor_parallel_size=2", observe=ppo_plan, base=("{stage}.rollout.backend=vllm",)
         ),
         "rollout.cpus_per_engine": probe("{stage}.rollout.cpus_per_engine=2.0", observe=ppo_plan),
+        "rollout.weight_sync_backend": probe(
+            "{stage}.rollout.weight_sync_backend=gloo",
+            observe=ppo_plan,
+            expect=lambda a, b: (
+                (a["weight_sync"], b["weight_sync"])
+                == ({"cpu": "gloo", "cuda": "nccl"}, {"cpu": "gloo", "cuda": "gloo"})
+            ),
+        ),
+        "rollout.weight_sync_bucket_mb": probe(  # builtin:small is 4.3 MiB of fp32 weights
+            "{stage}.rollout.weight_sync_bucket_mb=1",
+            observe=actor_sync_plan,
+            base=("{stage}.actor.name_or_path=builtin:small",),
+            slow=True,
+            expect=lambda a, b: len(a) == 1 and len(b) == 5,
+        ),
+        "rollout.resources": probe(
+            "{stage}.rollout.resources={{node_a: 1}}", observe=ppo_plan, expect=lambda a, b: b["cpu"]["node_a"] == 1
+        ),
+        "rollout.gpu_memory_utilization": probe(
+            "{stage}.rollout.gpu_memory_utilization=0.4",
+            observe=ppo_controller,
+            base=("{stage}.rollout.backend=vllm",),
+            expect=lambda a, b: b["engine_kwargs"]["gpu_memory_utilization"] == 0.4,
+        ),
+        "rollout.enforce_eager": probe(  # null: eager on the CPU build; false: CUDA graphs wherever vLLM has them
+            "{stage}.rollout.enforce_eager=false",
+            observe=ppo_controller,
+            base=("{stage}.rollout.backend=vllm",),
+            expect=lambda a, b: (
+                (a["engine_kwargs"]["enforce_eager"], b["engine_kwargs"]["enforce_eager"]) == (True, False)
+            ),
+        ),
+        "rollout.enable_sleep": probe(  # vLLM's sleep mode needs CUDA: refused on this CPU machine, before Ray
+            "{stage}.rollout.enable_sleep=true",
+            observe=ppo_plan,
+            base=("{stage}.rollout.backend=vllm",),
+            expect=lambda a, b: a["fits_cpu"] is None and b["fits_cpu"] == ("raised", "ConfigError"),
+        ),
         "rollout.kv_cache_gib": probe(
             "{stage}.rollout.kv_cache_gib=2", observe=ppo_controller, base=("{stage}.rollout.backend=vllm",)
         ),

@@ -1,8 +1,9 @@
 """The actor role: the policy, trained with DeepSpeed; old log-probs, the clipped PPO update, and the weight push
-to the rollout engines (gathering ZeRO-3 partitions one parameter at a time)."""
+to the rollout engines (in buckets; ZeRO-3 partitions gathered one bucket at a time)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.losses import token_logprobs
 from rlhf_core.algos.ppo import distributed_masked_whiten, policy_loss
 from rlhf_core.distributed.role_base import TrainableRole, logprob_temperature
+from rlhf_core.distributed.weight_sync import dtype_name
 from rlhf_core.models.builders import build_causal_lm
 
 
@@ -56,39 +58,90 @@ class PolicyActor(TrainableRole):
         return {"policy_loss" if k == "loss" else k: v for k, v in stats.items()}
 
     # -- weight push to the rollout engines ---------------------------------------------------------------------------
-    def connect_engines(self, engines: list[Any], use_collective: bool) -> None:
-        """Rank 0 joins a weight-sync group with every engine worker (gloo on CPU); other ranks only help gather."""
-        from rlhf_core.distributed.rollout_engine import connect_weight_sync
+    def connect_engines(
+        self, engines: list[Any], use_collective: bool, backend: str = "gloo", bucket_mb: float = 1024
+    ) -> None:
+        """Join a weight-sync group with every engine worker over ``backend`` (already resolved: gloo, nccl or
+        cuda_ipc; see ``weight_sync``) in buckets of ``bucket_mb`` MiB. gloo/nccl: rank 0 sends, the other ranks only
+        help gather. cuda_ipc: each rank with an engine worker on its GPU sends to it (rank r to worker r + 1)."""
+        from rlhf_core.distributed.rollout_engine import _free_port, connect_weight_sync
+        from rlhf_core.distributed.weight_sync import MIB, WeightSender
 
         self.engines = engines
         self.sender = None
-        if self.strategy.rank == 0 and use_collective:
-            self.sender = connect_weight_sync(engines)
+        self.bucket_bytes = int(bucket_mb * MIB)
+        self.sync_backend = backend
+        if not use_collective:
+            return
+        rank = self.strategy.rank
+        if backend != "cuda_ipc":
+            if rank == 0:
+                self.sender = connect_weight_sync(engines, backend=backend, bucket_mb=bucket_mb)
+            return
+        import ray
 
-    def _named_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        where = None
+        if rank == 0:
+            sizes = ray.get([e.num_workers.remote() for e in engines])
+            where = (ray.util.get_node_ip_address(), _free_port(), 1 + sum(sizes))
+        addr, port, world_size = self.strategy.broadcast_object(where)
+        if world_size - 1 > self.strategy.world_size:
+            raise ValueError(f"cuda_ipc weight sync: {world_size - 1} engine workers but {self.strategy.world_size} "
+                             "actor ranks; each worker needs the actor rank on its GPU (colocate_all)")  # fmt: skip
+        if rank == 0:
+            self.sender = connect_weight_sync(engines, backend=backend, bucket_mb=bucket_mb, master_addr=addr,
+                                              master_port=port)  # fmt: skip
+        elif rank < world_size - 1:
+            self.sender = WeightSender(addr, port, world_size, backend=backend, bucket_bytes=self.bucket_bytes,
+                                       actor_rank=rank)  # fmt: skip
+            self.sender.check_peer()
+
+    def _param_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """Every parameter's full spec (ZeRO-3: from ``ds_shape``, the shape before partitioning)."""
         zero3 = self.ctx.strategy.zero_stage == 3
-        for name, param in self.engine.module.named_parameters():
-            if zero3:
-                import deepspeed
+        return [
+            (n, dtype_name(p.dtype), tuple(int(s) for s in (p.ds_shape if zero3 else p.shape)))
+            for n, p in self.engine.module.named_parameters()
+        ]
 
-                with deepspeed.zero.GatheredParameters([param]):
-                    yield name, param.data.detach().clone()
-            else:
+    def _named_full_params(self, plan: list[list[int]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full parameters in order. ZeRO-3: gathered one bucket of ``plan`` at a time (every rank takes part in
+        each gather); a bucket's tensors stay valid until the next bucket is requested, which is when the sender
+        has packed them."""
+        named = list(self.engine.module.named_parameters())
+        if self.ctx.strategy.zero_stage != 3:
+            for name, param in named:
                 yield name, param.data.detach()
+            return
+        import deepspeed
 
-    def push_weights(self) -> float:
-        """Collective over the actor ranks: send every parameter to the engines; returns the seconds (rank 0)."""
+        for bucket in plan:
+            with deepspeed.zero.GatheredParameters([named[i][1] for i in bucket]):
+                for i in bucket:
+                    yield named[i][0], named[i][1].data.detach()
+
+    def push_weights(self) -> dict[str, float]:
+        """Collective over the actor ranks: send every parameter to the engines. Returns rank 0's sync metrics
+        (``weight_sync_s``: seconds of the whole push, ``weight_sync_buckets``, ``weight_sync_broadcasts``:
+        transfers, one per bucket, ``weight_sync_mib``); other ranks return {}."""
         from rlhf_core.distributed.rollout_engine import sync_weights
-        from rlhf_core.distributed.weight_sync import spec_of
+        from rlhf_core.distributed.weight_sync import bucket_plan
 
-        named = self._named_full_params()
-        if self.strategy.rank != 0:
-            for _ in named:  # take part in each gather
-                pass
-            return 0.0
-        specs = None
-        if self.ctx.strategy.zero_stage == 3:
-            specs = [
-                spec_of(n, torch.empty(p.ds_shape, dtype=p.dtype)) for n, p in self.engine.module.named_parameters()
-            ]
-        return sync_weights(self.sender, self.engines, named, specs=specs)
+        start = time.perf_counter()
+        specs = self._param_specs()
+        named = self._named_full_params(bucket_plan(specs, self.bucket_bytes))
+        rank = self.strategy.rank
+        if rank != 0:
+            if self.sender is not None:  # cuda_ipc: this rank serves the engine worker on its GPU
+                self.sender.send_weights(named, specs, self.bucket_bytes)
+            else:
+                for _ in named:  # take part in each gather
+                    pass
+            return {}
+        if self.sender is None:  # no collective (HF engines): a state dict through Ray's object store
+            zero3 = self.ctx.strategy.zero_stage == 3
+            sync_weights(None, self.engines, ((n, t.clone() if zero3 else t) for n, t in named))
+            return {"weight_sync_s": time.perf_counter() - start, "weight_sync_buckets": 0,
+                    "weight_sync_broadcasts": 0}  # fmt: skip
+        sync_weights(self.sender, self.engines, named, specs=specs, bucket_bytes=self.bucket_bytes)
+        return {**self.sender.stats(), "weight_sync_s": time.perf_counter() - start}

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from rlhf_core import events
-from rlhf_core.config import StrategyConfig
+from rlhf_core.config import ConfigError, StrategyConfig
 
 if TYPE_CHECKING:  # annotations only: Ref[R] is the ObjectRef of a remote call returning R
     from ray import ObjectRef as Ref
@@ -37,13 +37,21 @@ def resolve_device(requested: str) -> str:
     return resolve(requested)
 
 
+# Forwarded from the driver to every worker when set: a driver told to stay offline keeps its workers offline too.
+# RLHF_NODE_CACHE is not among them: it is a path on each node (node_files), set in each ``ray start``'s environment.
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
 def init_ray(min_cpus: float = 1) -> bool:
-    """Connect to ``RAY_ADDRESS`` when set, else start a local Ray. Returns True when this call started Ray."""
+    """Connect to ``RAY_ADDRESS`` when set (an existing cluster), else start a local Ray. Returns True when this call
+    connected or started Ray: the caller then ends with ``ray.shutdown()``, which stops a local Ray but only
+    disconnects from an existing cluster (its nodes and other jobs keep running)."""
     import ray
 
     if ray.is_initialized():
         return False
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}}
+    forwarded = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0", **forwarded}}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env, log_to_driver=True)
     else:
@@ -158,6 +166,8 @@ class RayWorkerGroup(Generic[T]):
         self.actors: list[Any] = []
         for rank in range(cfg.num_workers):
             options: dict[str, Any] = {"num_cpus": cfg.cpus_per_worker, "num_gpus": gpus}
+            if cfg.resources and placement is None:  # pinned to the nodes that have them (in a bundle: its node)
+                options["resources"] = dict(cfg.resources)
             if placement is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement, placement_group_bundle_index=rank
@@ -239,14 +249,19 @@ class Fits(Protocol):
 F = TypeVar("F", bound=Fits)
 
 
-def run_group(cfg: StrategyConfig, factory: type[F], *args: Any) -> list[Any]:
-    """Start Ray if needed, run ``factory(*args).fit()`` on ``cfg.num_workers`` ranks, and clean up after."""
+def run_group(cfg: StrategyConfig, factory: type[F], *args: Any, key: str = "strategy") -> list[Any]:
+    """Start Ray if needed, run ``factory(*args).fit()`` on ``cfg.num_workers`` ranks, and clean up after. ``key``:
+    the config key of ``cfg`` (e.g. ``sft.strategy``), named when the cluster lacks its ``resources``."""
     import ray
 
     check_constructor(factory, args, {})
     started = init_ray(min_cpus=cfg.num_workers * cfg.cpus_per_worker)
     group = None
     try:
+        if cfg.resources:
+            check_resources(
+                {f"{key}.resources": (cfg.num_workers, cfg.cpus_per_worker, cfg.resources)}, node_resources()
+            )
         group = RayWorkerGroup(cfg, factory, *args)
         return group.call(factory.fit)
     finally:
@@ -267,6 +282,46 @@ def cluster_resources() -> dict[str, float]:
     import ray
 
     return ray.cluster_resources()
+
+
+def node_resources() -> list[dict[str, float]]:
+    """The resources of each alive node of the cluster."""
+    import ray
+
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def check_resources(groups: dict[str, tuple[int, float, dict[str, float]]], nodes: list[dict[str, float]]) -> None:
+    """Refuse custom resources the cluster cannot give, before any worker starts (a pinned worker that Ray cannot
+    place would wait forever). ``groups`` maps the config key of each group's resources to (workers, CPUs per worker,
+    resources per worker); ``nodes`` are the alive nodes' resources (``node_resources()``). The ConfigError names the
+    keys that ask for a resource no node has, more of it than the cluster has, or more CPUs than its nodes have."""
+    demand: dict[str, float] = {}
+    cpus: dict[str, float] = {}
+    askers: dict[str, list[str]] = {}
+    for key, (workers, cpus_per_worker, resources) in groups.items():
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU"):
+                raise ConfigError(f"'{key}' names {name}: Ray sets CPUs and GPUs per worker itself (cpus_per_worker, "
+                                  "devices); use custom resources here, e.g. {node_a: 1}")  # fmt: skip
+            if amount <= 0:
+                raise ConfigError(f"invalid value {amount!r} for '{key}.{name}': must be > 0")
+            demand[name] = demand.get(name, 0.0) + workers * amount
+            cpus[name] = cpus.get(name, 0.0) + workers * cpus_per_worker
+            askers.setdefault(name, []).append(key)
+    for name, needed in demand.items():
+        holders = [n for n in nodes if n.get(name, 0) > 0]
+        have, cpus_there = sum(n[name] for n in holders), sum(n.get("CPU", 0) for n in holders)
+        keys = ", ".join(f"'{k}'" for k in askers[name])
+        if not holders:
+            raise ConfigError(f"{keys} ask for Ray resource {name!r}, which no node of the cluster has (start a node "
+                              f"with ray start --resources='{{\"{name}\": N}}', or change {keys})")  # fmt: skip
+        if needed > have:
+            raise ConfigError(f"{keys} ask for {needed:g} {name!r} in all (workers x amount) but the cluster has "
+                              f"{have:g}")  # fmt: skip
+        if cpus[name] > cpus_there:
+            raise ConfigError(f"{keys}: the workers pinned to {name!r} need {cpus[name]:g} CPU but the nodes with "
+                              f"{name!r} have {cpus_there:g}")  # fmt: skip
 
 
 def shutdown_ray() -> None:

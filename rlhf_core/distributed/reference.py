@@ -1,15 +1,18 @@
 """The reference role: the frozen starting policy, giving the log-probs the KL penalty is measured against (at the
-rollout temperature, like the actor's, so that the KL compares the same distributions)."""
+rollout temperature, like the actor's, so that the KL compares the same distributions).
+
+With ``ppo.frozen_zero_stage`` 3 the reference workers hold one ZeRO-3 partitioned copy between them
+(``FrozenStrategy``), ``ppo.frozen_offload`` keeping the partitions on the CPU; 0 gives each worker a full replica."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.losses import token_logprobs
+from rlhf_core.distributed.node_files import local_model_path
 from rlhf_core.distributed.role_base import logprob_temperature
+from rlhf_core.distributed.strategy import FrozenStrategy
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, load_tokenizer
 
 
@@ -17,27 +20,27 @@ class ReferencePolicy:
     def __init__(
         self, model_path: str, micro_batch_size: int, precision: str, init_seed: int = 0, *,
         temperature: float = 1.0, tokenizer_path: str | None = None, trust_remote_code: bool = False,
+        zero_stage: int = 0, offload: bool = False,
     ):  # fmt: skip
-        device = os.environ.get("RLHF_DEVICE", "cpu")
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        model_path = local_model_path(model_path)  # a StageModel: this node's copy
+        self.strategy = FrozenStrategy(zero_stage, offload, precision, micro_batch_size)
         tokenizer = load_tokenizer(model_path, tokenizer_path, trust_remote_code=trust_remote_code)
-        attn = attn_implementation("auto", device)
-        self.model = (
-            build_causal_lm(
-                model_path, tokenizer, seed=init_seed, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code
+        attn = attn_implementation("auto", self.strategy.device.type)
+        self.model = self.strategy.build(
+            lambda: build_causal_lm(
+                model_path, tokenizer, seed=init_seed, dtype=self.strategy.dtype, attn=attn,
+                trust_remote_code=trust_remote_code,
             )
-            .to(device)
-            .eval()
-        )
-        self.micro, self.device = micro_batch_size, device
+        )  # fmt: skip
         self.temperature = logprob_temperature(temperature)
 
     @torch.no_grad()
     def logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        """(N, T-1) log-probs under the reference policy, logits divided by the rollout temperature."""
-        out = []
-        for micro in batch.split(self.micro):
-            ids, mask = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
-            out.append(token_logprobs(logits, ids, self.temperature).cpu())
-        return torch.cat(out)
+        """(N, T-1) log-probs under the reference policy, logits divided by the rollout temperature. Collective
+        under ZeRO-3: every worker of the group calls it (with its shard) at once."""
+
+        def fn(micro: SequenceBatch) -> torch.Tensor:
+            logits = self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+            return token_logprobs(logits, micro.input_ids, self.temperature)
+
+        return self.strategy.map_micro(batch, fn)

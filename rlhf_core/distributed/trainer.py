@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import shutil
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ from rlhf_core import events
 from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
 from rlhf_core.distributed import device
+from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
 from rlhf_core.storage import ObjectStore
@@ -39,7 +41,7 @@ class StageContext:
     run_uri: str
     storage_options: dict
     config_hash: str
-    model_path: str  # local directory, hub name or builtin:<name>
+    model_path: ModelSource  # local directory, hub name, builtin:<name>, or a StageModel (fetched on the rank's node)
     tokenizer_path: str | None
     init_seed: int
     strategy: StrategyConfig
@@ -85,6 +87,7 @@ class SupervisedTrainer:
 
     def fit(self) -> dict:
         ctx, t = self.ctx, self.ctx.train
+        ctx = self.ctx = replace(ctx, model_path=local_model_path(ctx.model_path))  # this node's copy of a stage model
         strategy = self.strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, t)
         strategy.init_distributed()
         self.store = ObjectStore(ctx.run_uri, ctx.storage_options)
@@ -94,7 +97,8 @@ class SupervisedTrainer:
         # 1. model and engine
         tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
-        model = self.impl.build_model(ctx, tokenizer, strategy.dtype, attn)
+        with strategy.model_init():  # ZeRO-3: each rank materialises only its partition
+            model = self.impl.build_model(ctx, tokenizer, strategy.dtype, attn)
         n = len(self.train_examples)
         steps = total_steps(n, t.train_batch_size, t.max_epochs, t.max_steps)
         engine = strategy.prepare(model, steps)
@@ -228,14 +232,31 @@ def save_engine_shards(
 def load_engine_shards(
     strategy: DeepSpeedStrategy, engine: Any, store: ObjectStore, rel: str, local: Path, sub: str = ""
 ) -> dict:
-    """Collective: each rank restores engine, optimizer, scheduler and its RNG state from a committed checkpoint."""
+    """Collective: each rank restores engine, optimizer, scheduler and its RNG state from a committed checkpoint,
+    downloading only the files it reads (``rank_files``), not every rank's shards."""
     shutil.rmtree(local, ignore_errors=True)
-    store.download_artifact(rel, str(local), only=sub or None)
+    store.download_artifact(rel, str(local), only=sub or None, keep=rank_files(strategy.rank))
     root = local / sub if sub else local
     client_state = strategy.load_checkpoint(engine, str(root))
     _set_rng_state(torch.load(root / f"rng_rank{strategy.rank}.pt", weights_only=False))
     shutil.rmtree(local, ignore_errors=True)
     return client_state
+
+
+_RANK_FILE = re.compile(r"(?:^|/)(?:rng_rank|zero_pp_rank_)(\d+)[._]")
+
+
+def rank_files(rank: int) -> Callable[[str], bool]:
+    """Which checkpoint files rank ``rank`` downloads to resume: its own (``rng_rank<r>.pt``, DeepSpeed's
+    ``zero_pp_rank_<r>_*``: its ZeRO optimizer partition, and under ZeRO-3 its parameter partition) and the files of
+    no rank (ZeRO-0/1/2's ``mp_rank_00_model_states.pt`` with the module and client state, which every rank reads).
+    DeepSpeed's non-elastic ZeRO load opens only the rank's own partition files; the other ranks' are never read."""
+
+    def keep(name: str) -> bool:
+        tagged = _RANK_FILE.search(name)
+        return tagged is None or int(tagged.group(1)) == rank
+
+    return keep
 
 
 def prune_checkpoints(store: ObjectStore, stage: str, keep_last: int) -> None:

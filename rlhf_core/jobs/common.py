@@ -1,4 +1,10 @@
-"""Driver-side plumbing shared by the stage jobs: command line, object store, model resolution, Ray group."""
+"""Driver-side plumbing shared by the stage jobs: command line, object store, model resolution, Ray group.
+
+Model resolution gives each model two forms: a path on the driver (for what the driver itself reads: tokenizer,
+config, reward stats) and the source the roles and engines get. For a ``stage:`` model that source is a
+``StageModel`` reference to the committed artifact, never the driver's path (which other nodes do not have): each
+worker fetches it into its own node's cache (``rlhf_core.distributed.node_files``).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,14 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlhf_core import events
 from rlhf_core.config import STAGE_PREFIX, ConfigError, PipelineConfig, load_config, stage_hash
 from rlhf_core.data.sampler import total_steps
+from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.distributed.trainer import StageContext, newest_checkpoint
 from rlhf_core.models.builders import check_model_source
 from rlhf_core.storage import ArtifactError, ObjectStore, storage_options_for
@@ -96,18 +103,22 @@ def upstream_hash(store: ObjectStore, path: str, key: str) -> dict[str, str]:
         raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
 
 
-def resolve_model(store: ObjectStore, path: str, key: str, dest: str, trust_remote_code: bool = False) -> str:
-    """A loadable model path for ``path``: ``stage:<name>`` is copied to ``dest`` from its committed output, each
-    file checked against the manifest; other paths are checked to be a model before any worker starts."""
+def resolve_model(
+    store: ObjectStore, path: str, key: str, dest: str, trust_remote_code: bool = False
+) -> tuple[str, ModelSource]:
+    """(driver path, worker source) for ``path``. ``stage:<name>`` is copied to ``dest`` from its committed output,
+    each file checked against the manifest, and the workers get a ``StageModel`` of that same manifest; other paths
+    are checked to be a model before any worker starts and serve both."""
     if path.startswith(STAGE_PREFIX):
         name = path[len(STAGE_PREFIX) :]
         try:
-            store.download_artifact(name, str(Path(dest) / name))
+            ref = stage_model(store, name)
+            local = local_model_path(ref, cache=dest)  # the driver's own copy, deleted with its scratch dir
         except ArtifactError as e:
             raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
-        return str(Path(dest) / name)
+        return local, ref
     check_model_source(path, key, trust_remote_code=trust_remote_code)
-    return path
+    return path, path
 
 
 def committed_ref(store: ObjectStore, stage: str) -> CheckpointRef | None:
@@ -126,9 +137,10 @@ def existing_output(store: ObjectStore, stage: str, config_hash: str) -> Checkpo
 
 @dataclass
 class StageSetup:
-    """A stage's resolved inputs: its config section, store, scratch dir, a loadable path per model (by role),
-    upstream hashes, config hash, and its committed output when one already exists for this config hash (then
-    there is nothing to do and nothing was fetched)."""
+    """A stage's resolved inputs: its config section, store, scratch dir, a loadable path per model (by role) on the
+    driver, upstream hashes, config hash, its committed output when one already exists for this config hash (then
+    there is nothing to do and nothing was fetched), and per role the model source the workers get (``sources``:
+    a ``StageModel`` for a stage output, each worker fetching its node-local copy; else the same as ``paths``)."""
 
     stage: str
     section: Any
@@ -138,6 +150,7 @@ class StageSetup:
     upstream: dict[str, str]
     config_hash: str
     done: CheckpointRef | None
+    sources: dict[str, ModelSource] = field(default_factory=dict)
 
     @property
     def model_path(self) -> str:
@@ -147,7 +160,7 @@ class StageSetup:
         s = self.section
         return StageContext(
             stage=self.stage, run_uri=self.store.root_uri, storage_options=self.store.fs.storage_options,
-            config_hash=self.config_hash, model_path=self.model_path, tokenizer_path=s.model.tokenizer,
+            config_hash=self.config_hash, model_path=self.sources["model"], tokenizer_path=s.model.tokenizer,
             init_seed=s.model.init_seed, trust_remote_code=s.model.trust_remote_code, strategy=s.strategy,
             optim=s.optim, train=s.train, work_dir=self.work,
             fail_after_step=fail_after_step(), upstream=self.upstream,
@@ -174,14 +187,15 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
         return StageSetup(stage, section, store, "", {}, upstream, config_hash, done)
     check_resumable(store, stage, section, config_hash)
     work = work_dir(stage)
-    fetched: dict[str, str] = {}
+    fetched: dict[str, tuple[str, ModelSource]] = {}
     for role, model in models.items():
         if model.name_or_path not in fetched:
             fetched[model.name_or_path] = resolve_model(
                 store, model.name_or_path, keys[role], work, model.trust_remote_code
             )
-    paths = {role: fetched[model.name_or_path] for role, model in models.items()}
-    return StageSetup(stage, section, store, work, paths, upstream, config_hash, None)
+    paths = {role: fetched[model.name_or_path][0] for role, model in models.items()}
+    sources = {role: fetched[model.name_or_path][1] for role, model in models.items()}
+    return StageSetup(stage, section, store, work, paths, upstream, config_hash, None, sources)
 
 
 def check_resumable(store: ObjectStore, stage: str, section: Any, config_hash: str) -> None:

@@ -63,6 +63,7 @@ from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext
 from rlhf_core.distributed.trainer import checkpoint_rel, newest_checkpoint, prune_checkpoints, write_entry
+from rlhf_core.distributed.weight_sync import resolve_backend
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import BUILTIN_PREFIX, load_tokenizer
 from rlhf_core.storage import ObjectStore
@@ -105,16 +106,74 @@ def resource_demand(p: PPOConfig, device: str) -> dict[str, float]:
         gpus = a.num_workers + c.num_workers + p.rollout.num_engines * p.rollout.tensor_parallel_size
         gpus += 0 if (p.colocate_actor_ref or p.colocate_all) else reference_workers(p)
         gpus += 0 if (p.colocate_critic_reward or p.colocate_all) else p.reward_workers
-        if p.colocate_all:
-            gpus = max(a.num_workers, p.rollout.num_engines * p.rollout.tensor_parallel_size)
+        if p.colocate_all:  # every role and engine in the actor's bundles (check_fits: the engines' GPUs fit there)
+            gpus = a.num_workers
         demand["GPU"] = gpus
+    if p.colocate_all:  # one bundle of 1 CPU per actor rank, shared by all roles and the engines
+        demand["CPU"] = a.num_workers
+    for workers, _, resources in pinned_groups("", p).values():  # custom resources: what pins roles to nodes
+        for name, amount in resources.items():
+            demand[name] = demand.get(name, 0.0) + workers * amount
     return demand
 
 
-def check_fits(stage: str, p: PPOConfig, device: str, available: dict[str, float]) -> None:
-    """Refuse a layout that the cluster cannot place, naming what each role asks for."""
-    if device == "cpu" and p.rollout.backend == "vllm" and p.rollout.tensor_parallel_size != 1:
-        raise ConfigError(f"'{stage}.rollout.tensor_parallel_size' must be 1 for vLLM on CPU")
+def pinned_groups(stage: str, p: PPOConfig) -> dict[str, tuple[int, float, dict[str, float]]]:
+    """{config key: (workers, CPUs per worker, Ray custom resources per worker)} of each group that asks for any."""
+    a, c, r = p.actor_strategy, p.critic_strategy, p.rollout
+    groups = {
+        f"{stage}.actor_strategy.resources": (a.num_workers, a.cpus_per_worker, a.resources),
+        f"{stage}.critic_strategy.resources": (c.num_workers, c.cpus_per_worker, c.resources),
+        f"{stage}.reward_resources": (p.reward_workers, p.frozen_cpus_per_worker, p.reward_resources),
+        f"{stage}.reference_resources": (reference_workers(p), p.frozen_cpus_per_worker, p.reference_resources),
+        f"{stage}.rollout.resources": (r.num_engines, r.cpus_per_engine, r.resources),
+    }
+    return {key: group for key, group in groups.items() if group[0] and group[2]}
+
+
+def weight_sync_backend(stage: str, p: PPOConfig, device: str) -> str:
+    """The actor -> engine transport on ``device`` (``rollout.weight_sync_backend`` resolved: auto = cuda_ipc with
+    colocate_all on GPU, nccl on GPU, else gloo); a GPU transport on a CPU run is refused naming the key."""
+    return resolve_backend(
+        p.rollout.weight_sync_backend, device, p.colocate_all, key=f"{stage}.rollout.weight_sync_backend"
+    )
+
+
+def check_fits(
+    stage: str, p: PPOConfig, device: str, available: dict[str, float], nodes: list[dict[str, float]] | None = None
+) -> None:
+    """Refuse a layout that the cluster cannot place, naming what each role asks for. ``nodes``: each alive node's
+    resources, for the custom resources that pin roles (default: ``available`` taken as one node)."""
+    r = p.rollout
+    weight_sync_backend(stage, p, device)
+    if r.enable_sleep and device != "cuda":
+        raise ConfigError(
+            f"'{stage}.rollout.enable_sleep' needs a GPU: vLLM sleep mode is CUDA-only (device {device})"
+        )
+    if p.colocate_all and r.num_engines * r.tensor_parallel_size > p.actor_strategy.num_workers:
+        raise ConfigError(
+            f"'{stage}.rollout.num_engines' x tensor_parallel_size = {r.num_engines * r.tensor_parallel_size} "
+            f"exceeds the {p.actor_strategy.num_workers} actor bundles that '{stage}.colocate_all' shares"
+        )
+    if p.offload_states_during_rollout:
+        for role in ("actor", "critic"):
+            s = getattr(p, f"{role}_strategy")
+            if s.zero_stage == 0:  # DeepSpeed's offload_states is a method of its ZeRO-1/2/3 optimizers only
+                raise ConfigError(
+                    f"'{stage}.offload_states_during_rollout' needs ZeRO stage 1, 2 or 3: "
+                    f"'{stage}.{role}_strategy.zero_stage' is 0"
+                )
+    pinned = pinned_groups(stage, p)
+    bundled = {  # roles placed in a colocation bundle: the bundle decides their node
+        f"{stage}.actor_strategy.resources": p.colocate_all or p.colocate_actor_ref,
+        f"{stage}.reference_resources": p.colocate_all or p.colocate_actor_ref,
+        f"{stage}.critic_strategy.resources": p.colocate_all or p.colocate_critic_reward,
+        f"{stage}.reward_resources": p.colocate_all or p.colocate_critic_reward,
+    }
+    for key in pinned:
+        if bundled.get(key):
+            raise ConfigError(f"'{key}' pins a colocated role, whose placement-group bundle decides its node: unset "
+                              "it or the colocate_* key that places it")  # fmt: skip
+    launcher.check_resources(pinned, nodes if nodes is not None else [available])
     demand = resource_demand(p, device)
     for resource, needed in demand.items():
         have = available.get(resource, 0)
@@ -191,6 +250,7 @@ class PPOController:
         self.reward: launcher.RayWorkerGroup[RewardScorer] | None = None
         self.reference: launcher.RayWorkerGroup[ReferencePolicy] | None = None
         self.engines: Any = None
+        self.placement: dict[str, Any] = {}
         self.started_ray = False
 
     @property
@@ -207,7 +267,7 @@ class PPOController:
         p, t = self.p, self.p.train
         demand = resource_demand(p, self.device)
         self.started_ray = launcher.init_ray(min_cpus=demand["CPU"])
-        check_fits(self.stage, p, self.device, launcher.cluster_resources())
+        check_fits(self.stage, p, self.device, launcher.cluster_resources(), launcher.node_resources())
 
         base = dict(
             stage=self.stage, micro_rollout_batch_size=t.micro_rollout_batch_size, algo=p.algo, seed=t.seed,
@@ -216,34 +276,43 @@ class PPOController:
             temperature=p.rollout.temperature,
         )  # fmt: skip
         actor_ctx = RoleContext(
-            role="actor", model_path=self.paths["actor"], tokenizer_path=p.actor.tokenizer,
+            role="actor", model_path=self.st.sources["actor"], tokenizer_path=p.actor.tokenizer,
             init_seed=p.actor.init_seed, trust_remote_code=p.actor.trust_remote_code, strategy=p.actor_strategy,
             optim=p.actor_optim, total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps), **base,
         )  # fmt: skip
         critic_ctx = RoleContext(
-            role="critic", model_path=self.paths["critic"], tokenizer_path=p.critic.tokenizer,
+            role="critic", model_path=self.st.sources["critic"], tokenizer_path=p.critic.tokenizer,
             init_seed=p.critic.init_seed, trust_remote_code=p.critic.trust_remote_code, strategy=p.critic_strategy,
             optim=p.critic_optim, total_optimizer_steps=optimizer_steps(p, self.steps), reward_stats=self.stats,
             **base,
         )  # fmt: skip
-        frozen = lambda n: replace(p.actor_strategy, num_workers=n, cpus_per_worker=p.frozen_cpus_per_worker)  # noqa: E731
+
+        def frozen(n: int, resources: dict[str, float]) -> StrategyConfig:
+            # the actor's strategy with the frozen role's own counts and pins (never the actor's nodes)
+            return replace(p.actor_strategy, num_workers=n, cpus_per_worker=p.frozen_cpus_per_worker,
+                           resources=resources)  # fmt: skip
+
         placement: dict[str, Any] = {}
+        engine_placement: dict[str, Any] = {}
         if p.colocate_all:  # one bundle per actor rank; every role's worker i shares bundle i
             shared = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
             placement = {"actor": shared, "critic": shared}
+            # The hybrid engine: engine i's TP ranks in bundles i*tp.., a fifth of each bundle's device and CPU
+            # like every role there (OpenRLHF's 0.2 GPU per party), so that all five parties schedule on GPU.
+            engine_placement = {"placement": shared, "share": COLOCATED_SHARE, "num_cpus_per_engine": COLOCATED_SHARE}
         else:
             if p.colocate_actor_ref:
                 placement["actor"] = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
             if p.colocate_critic_reward:
                 placement["critic"] = launcher.colocation_group(p.critic_strategy.num_workers, 1.0, self.device)
-        shared_share = 0.25 if p.colocate_all else 0.5
+        shared_share = COLOCATED_SHARE if p.colocate_all else 0.5
         share = {role: shared_share if role in placement else 1.0 for role in ("actor", "critic")}
         handles = create_engines(
-            p.rollout.num_engines, self.paths["actor"], backend=p.rollout.backend,
-            tensor_parallel_size=p.rollout.tensor_parallel_size, num_cpus_per_engine=p.rollout.cpus_per_engine,
-            **self._engine_kwargs(),
+            p.rollout.num_engines, self.st.sources["actor"], backend=p.rollout.backend, resources=p.rollout.resources,
+            tensor_parallel_size=p.rollout.tensor_parallel_size,
+            **{"num_cpus_per_engine": p.rollout.cpus_per_engine, **engine_placement}, **self._engine_kwargs(),
         )  # fmt: skip
-        self.engines = EngineGroup(handles, self.eos_id)
+        self.engines = EngineGroup(handles, self.eos_id, sleep=p.rollout.enable_sleep)
         self.actor = launcher.RayWorkerGroup(
             _slice_if_placed(p.actor_strategy, "actor" in placement), PolicyActor, actor_ctx,
             placement=placement.get("actor"), share=share["actor"],
@@ -254,21 +323,32 @@ class PPOController:
         )  # fmt: skip
         precision = p.actor_strategy.precision
         self.reward = launcher.RayWorkerGroup(
-            _slice_if_placed(frozen(p.reward_workers), "critic" in placement), RewardScorer, self.paths["reward"],
-            t.micro_rollout_batch_size, precision, tokenizer_path=p.reward.tokenizer, init_seed=p.reward.init_seed,
-            trust_remote_code=p.reward.trust_remote_code, placement=placement.get("critic"), share=share["critic"],
+            _slice_if_placed(frozen(p.reward_workers, p.reward_resources), "critic" in placement), RewardScorer,
+            self.st.sources["reward"], t.micro_rollout_batch_size, precision, tokenizer_path=p.reward.tokenizer,
+            init_seed=p.reward.init_seed, trust_remote_code=p.reward.trust_remote_code,
+            zero_stage=p.frozen_zero_stage, offload=p.frozen_offload,  # 3: one ZeRO-3 copy over the workers
+            placement=placement.get("critic"), share=share["critic"],
         )  # fmt: skip
         if needs_reference(p.algo):
             ref = p.reference or p.actor  # default: the actor's starting model, with the actor's model keys
             self.reference = launcher.RayWorkerGroup(
-                _slice_if_placed(frozen(p.reference_workers), "actor" in placement), ReferencePolicy,
-                self.paths["reference"], t.micro_rollout_batch_size, precision, ref.init_seed,
+                _slice_if_placed(frozen(p.reference_workers, p.reference_resources), "actor" in placement),
+                ReferencePolicy, self.st.sources["reference"], t.micro_rollout_batch_size, precision, ref.init_seed,
                 temperature=p.rollout.temperature, tokenizer_path=ref.tokenizer,
-                trust_remote_code=ref.trust_remote_code, placement=placement.get("actor"), share=share["actor"],
+                trust_remote_code=ref.trust_remote_code, zero_stage=p.frozen_zero_stage, offload=p.frozen_offload,
+                placement=placement.get("actor"), share=share["actor"],
             )  # fmt: skip
         launcher.wait(self.actor.call_async(PolicyActor.setup) + self.critic.call_async(CriticActor.setup))
         self.engines.wait_ready()
-        self.actor.call(PolicyActor.connect_engines, handles, p.rollout.backend == "vllm")
+        # Where the engines run, as their actors see it: colocate_all puts them in the roles' shared group.
+        self.placement = {
+            "shared_group": shared.id.hex() if p.colocate_all else None,
+            "engine_groups": self.engines.placement_group_ids(),
+        }
+        # The weight transport: "auto" resolved from the device and colocate_all; a GPU transport on CPU is refused.
+        sync_backend = weight_sync_backend(self.stage, p, self.device)
+        self.actor.call(PolicyActor.connect_engines, handles, p.rollout.backend == "vllm", sync_backend,
+                        p.rollout.weight_sync_bucket_mb)  # fmt: skip
 
     def _engine_kwargs(self) -> dict:
         p = self.p
@@ -277,7 +357,11 @@ class PPOController:
         dtype = "bfloat16" if p.actor_strategy.precision == "bf16" else "float32"
         kwargs["dtype"] = dtype
         if p.rollout.backend == "vllm":
-            kwargs.update(max_model_len=p.data.max_len + p.rollout.max_new_tokens, kv_cache_gib=p.rollout.kv_cache_gib)
+            r = p.rollout
+            eager = (self.device != "cuda") if r.enforce_eager is None else r.enforce_eager  # null: eager on CPU only
+            kwargs.update(max_model_len=p.data.max_len + r.max_new_tokens, kv_cache_gib=r.kv_cache_gib,
+                          gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep=r.enable_sleep,
+                          enforce_eager=eager)  # fmt: skip
         else:  # a builtin: actor is built, not loaded: the engine must build it with the actor's seed
             kwargs["init_seed"] = p.actor.init_seed
         return kwargs
@@ -362,9 +446,29 @@ class PPOController:
         stats["critic_lr"] = self.critic.call(CriticActor.lr)[0]
         return stats
 
-    def push_weights(self) -> float:
+    def push_weights(self) -> dict[str, float]:
+        """Sync the engines to the actor; rank 0's metrics (weight_sync_s, weight_sync_buckets,
+        weight_sync_broadcasts)."""
         assert self.actor is not None
+        self.engines.wake_up(["weights"])  # sleeping engines take the weights first; the KV cache waits for a rollout
         return self.actor.call(PolicyActor.push_weights)[0]
+
+    def offload_training_states(self) -> None:
+        """``offload_states_during_rollout``: actor and critic optimizer states and gradients to host memory while
+        the engines generate (``TrainableRole.offload_states``; nothing moves on CPU). Their weights stay for the
+        experience forwards."""
+        if self.p.offload_states_during_rollout:
+            assert self.actor is not None and self.critic is not None
+            launcher.wait(
+                self.actor.call_async(PolicyActor.offload_states) + self.critic.call_async(CriticActor.offload_states)
+            )
+
+    def reload_training_states(self) -> None:
+        if self.p.offload_states_during_rollout:
+            assert self.actor is not None and self.critic is not None
+            launcher.wait(
+                self.actor.call_async(PolicyActor.reload_states) + self.critic.call_async(CriticActor.reload_states)
+            )
 
     # -- evaluation ---------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -468,7 +572,9 @@ class PPOController:
                 n=p.rollout.n_samples_per_prompt, temperature=p.rollout.temperature, top_p=p.rollout.top_p,
                 max_new_tokens=p.rollout.max_new_tokens, seed=t.seed * 100_003 + step,
             )  # fmt: skip
+            self.offload_training_states()
             responses, engine_logprobs = self.engines.generate_with_logprobs(prompt_ids, sampling)
+            self.engines.sleep()  # rollout.enable_sleep: the engines' GPU memory is the trainers' until the next sync
             # 2. experience
             exp = self.experience(prompt_ids, responses)
             # 3. rewards (normalised RM score + KL penalty) and GAE
@@ -477,10 +583,13 @@ class PPOController:
             logs["rollout_logprob_max_diff"] = rollout_logprob_gap(exp, engine_logprobs)
             # 4. PPO epochs: the critic always trains, the actor after the frozen warm-up steps
             actor_frozen = not self.train_actor or step < t.freeze_actor_steps
+            self.reload_training_states()
             logs.update(self.train(exp, step, actor_frozen))
             # 5. weight sync to the engines
             if not actor_frozen:
-                logs["sync_s"] = self.push_weights()
+                sync = self.push_weights()
+                logs.update(sync)
+                logs["sync_s"] = sync["weight_sync_s"]
             self.kl_ctl.update(logs["kl_token_mean"], len(responses))
             # 6. logging and checkpoints
             state["step"], state["consumed_prompts"] = step + 1, (step + 1) * t.rollout_batch_size
@@ -532,9 +641,14 @@ def rollout_logprob_gap(exp: SequenceBatch | Experience, engine_logprobs: list[l
     return (engine - exp.old_logprobs)[valid].abs().max().item()
 
 
+# A party's share of a colocation bundle's CPU (and of its GPU under colocate_all): actor, critic, reward and
+# reference workers and a rollout engine share each bundle then.
+COLOCATED_SHARE = 0.2
+
+
 def _slice_if_placed(s: StrategyConfig, placed: bool) -> StrategyConfig:
-    # Inside a placement-group bundle (1 CPU) the roles share the bundle; each asks for a quarter of it.
-    return replace(s, cpus_per_worker=0.25) if placed else s
+    # Inside a placement-group bundle (1 CPU) the roles share the bundle; each asks for a fifth of it.
+    return replace(s, cpus_per_worker=COLOCATED_SHARE) if placed else s
 
 
 def _pad_to_multiple(ids: list, responses: list, multiple: int) -> tuple[list, list]:
@@ -573,8 +687,10 @@ def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> Che
         if train_actor and p.train.save_critic:
             controller.critic.call(CriticActor.export, f"{stage}/critic", config_hash, metrics, extra)
         store.write_json(
-            f"{stage}/metrics.json", {"history": controller.history, "final": metrics, "roles": controller.roles}
-        )
+            f"{stage}/metrics.json",
+            {"history": controller.history, "final": metrics, "roles": controller.roles,
+             "placement": controller.placement},
+        )  # fmt: skip
         if train_actor:
             controller.actor.call(PolicyActor.export, stage, config_hash, metrics, extra)
         else:

@@ -96,7 +96,9 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
     impl = RewardModelImpl(section.margin)
     try:
-        metrics = launcher.run_group(section.strategy, SupervisedTrainer, impl, st.context(), train, held_out)[0]
+        metrics = launcher.run_group(
+            section.strategy, SupervisedTrainer, impl, st.context(), train, held_out, key=f"{stage}.strategy"
+        )[0]
     finally:
         shutil.rmtree(st.work, ignore_errors=True)  # downloaded inputs and staging
     return CheckpointRef(st.store.uri(stage), stage, metrics["steps"], st.config_hash, metrics)

