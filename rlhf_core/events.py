@@ -33,6 +33,10 @@ def emit(event: str, **fields: Any) -> None:
     path = events_path()
     if path is None:
         return
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        # A rank-0 worker on another node of a cluster: the launcher's folder is not there. Its step events are
+        # lost (the driver's result event still arrives); the job must not fail over progress reporting.
+        return
     line = json.dumps({"event": event, "time": time.time(), **fields}, default=_plain) + "\n"
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)

@@ -21,3 +21,15 @@ def test_a_refusing_job_fails_with_its_exit_status(tmp_path):
     with pytest.raises(StageJobError, match="exit code 2[\\s\\S]*error: refused") as caught:
         launch_stage("sft_b", JOB, "fail", ObjectStore(str(tmp_path)), lambda line: None)
     assert caught.value.bad_input
+
+
+def test_a_worker_whose_node_lacks_the_events_folder_skips_its_step_events(tmp_path, monkeypatch):
+    """A rank-0 worker on another node gets the launcher's path, which does not exist there: it must not fail."""
+    from rlhf_core import events
+
+    monkeypatch.setenv(events.EVENTS_ENV, str(tmp_path / "not-on-this-node" / "events.jsonl"))
+    events.step("sft", 1, 2, {"loss": 1.0})  # no error, nothing written
+    assert not (tmp_path / "not-on-this-node").exists()
+    monkeypatch.setenv(events.EVENTS_ENV, str(tmp_path / "events.jsonl"))
+    events.step("sft", 1, 2, {"loss": 1.0})
+    assert events.read_new(tmp_path / "events.jsonl", 0)[0][0]["step"] == 1

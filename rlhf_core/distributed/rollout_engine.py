@@ -43,7 +43,15 @@ from typing import Any, Literal
 import torch
 
 from rlhf_core.distributed.node_files import local_model_path
-from rlhf_core.distributed.weight_sync import MIB, WeightSender, WeightSpec, WorkerWeightReceiver, spec_of, to_dtype
+from rlhf_core.distributed.weight_sync import (
+    MIB,
+    WeightSender,
+    WeightSpec,
+    WeightSyncAborted,
+    WorkerWeightReceiver,
+    spec_of,
+    to_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -254,11 +262,14 @@ class VLLMEngine:
     def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int = 1024 * MIB, sync_id: int = 0) -> float:
         """One sync in buckets of ``bucket_bytes`` (the sender's), every worker at once."""
         start = time.perf_counter()
-        self.llm.collective_rpc(
+        outcomes = self.llm.collective_rpc(
             WorkerWeightReceiver.receive_weights.__name__, args=([tuple(s) for s in specs], bucket_bytes, sync_id)
         )
-        # Cached KV blocks were computed with the old weights.
+        # Cached KV blocks were computed with the old weights (or, after a failure, with a partly updated model).
         self.reset_prefix_cache()
+        errors = [f"worker {i}: {o['error']}" for i, o in enumerate(outcomes) if o["error"] is not None]
+        if errors:
+            raise WeightSyncAborted("; ".join(errors))
         return time.perf_counter() - start
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

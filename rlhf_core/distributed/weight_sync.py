@@ -505,13 +505,23 @@ class WorkerWeightReceiver:
         )
         return rank
 
-    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int = 1024 * MIB, sync_id: int = 0) -> float:
+    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int = 1024 * MIB, sync_id: int = 0) -> dict:
         """Receive ``specs`` in buckets of ``bucket_bytes`` from the sender, in order, and reload them into the
-        model. Returns the seconds taken."""
+        model. Returns ``{"seconds": ..., "error": None}``, or the error's text instead of raising it: vLLM's
+        multiprocess executor answers a collective_rpc at the first worker that raises and leaves the other
+        workers' answers queued, so the next call would receive this sync's failure. The engine raises it
+        (``VLLMEngine.receive_weights``) once every worker has answered."""
+        start = time.perf_counter()
+        try:
+            self._receive_weights(specs, bucket_bytes, sync_id)
+        except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
+            return {"seconds": time.perf_counter() - start, "error": f"{type(e).__name__}: {e}"}
+        return {"seconds": time.perf_counter() - start, "error": None}
+
+    def _receive_weights(self, specs: list[WeightSpec], bucket_bytes: int, sync_id: int) -> None:
         transport = getattr(self, "_rlhf_sync_transport", None)
         if transport is None:
             raise RuntimeError("receive_weights before init_weight_sync_group")
-        start = time.perf_counter()
         stream = _ReceiveStream(transport, specs, bucket_bytes, sync_id)
         try:
             # The worker's reload_weights (it sets vLLM's current config) takes Hugging Face names and tensors in
@@ -525,7 +535,6 @@ class WorkerWeightReceiver:
             # Keep the transfers in lockstep with the sender even if the loader stopped early or failed.
             stream.drain()
         stream.raise_if_aborted()
-        return time.perf_counter() - start
 
 
 def _reset_layerwise_reload(worker: Any) -> None:

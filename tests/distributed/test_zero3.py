@@ -37,8 +37,8 @@ def _zero3_strategy() -> DeepSpeedStrategy:
     return DeepSpeedStrategy(cfg, OptimConfig(), TrainConfig(train_batch_size=2, micro_train_batch_size=1))
 
 
-def _rank_main(rank: int, port: int, queue, job: str) -> None:
-    """One rank: build under ``DeepSpeedStrategy.model_init()`` and report to the parent."""
+def _rank_main(rank: int, port: int, queue, jobs: tuple[str, ...]) -> None:
+    """One rank: build under ``DeepSpeedStrategy.model_init()`` for each of ``jobs`` and report to the parent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), RLHF_DEVICE="cpu")  # fmt: skip
     torch.set_num_threads(1)
@@ -46,6 +46,12 @@ def _rank_main(rank: int, port: int, queue, job: str) -> None:
 
     strategy = _zero3_strategy()
     strategy.init_distributed()
+    results = {job: _build_job(job, rank, strategy, deepspeed) for job in jobs}
+    queue.put(results)
+    strategy.barrier()
+
+
+def _build_job(job: str, rank: int, strategy: DeepSpeedStrategy, deepspeed) -> dict | None:
     if job == "tiny":  # the gathered weights of both builtin builders, for comparison with the plain build
         tok = load_tokenizer("builtin:tiny")
         out = {}
@@ -89,14 +95,13 @@ def _rank_main(rank: int, port: int, queue, job: str) -> None:
             "peak_delta_sampled": peak[0] - base,
             "peak_delta_maxrss": maxrss - base,  # an upper bound: the lifetime peak, minus the RSS before
         }
-    queue.put(result)
-    strategy.barrier()
+    return result
 
 
-def _run_two_ranks(job: str, port: int) -> list:
+def _run_two_ranks(jobs: tuple[str, ...], port: int) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, queue, job)) for rank in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, queue, jobs)) for rank in range(2)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=600) for _ in procs]
@@ -114,8 +119,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def two_rank_builds() -> list[dict]:
+    """Both construction jobs in one pair of rank processes (one start-up of DeepSpeed and gloo): the big model
+    first, so that the lifetime peak (ru_maxrss) it reports is its own."""
+    return _run_two_ranks(("big", "tiny"), _free_port())
+
+
 @pytest.mark.slow
-def test_zero3_construction_keeps_the_fixed_seed_weights_of_the_plain_build():
+def test_zero3_construction_keeps_the_fixed_seed_weights_of_the_plain_build(two_rank_builds):
     """Built partitioned over 2 ranks, the builtin causal LM and the scalar model (fresh head included) gather to
     exactly the weights of the plain single-process build with the same seed."""
     tok = load_tokenizer("builtin:tiny")
@@ -123,17 +135,17 @@ def test_zero3_construction_keeps_the_fixed_seed_weights_of_the_plain_build():
                                                        attn="sdpa").named_parameters()}  # fmt: skip
     plain.update({f"rm:{n}": p for n, p in build_scalar_model("builtin:tiny", tok, seed=3, dtype=torch.float32,
                                                                attn="sdpa").named_parameters()})  # fmt: skip
-    gathered = next(r for r in _run_two_ranks("tiny", _free_port()) if r is not None)
+    gathered = next(r["tiny"] for r in two_rank_builds if r["tiny"] is not None)
     assert gathered.keys() == plain.keys()
     worst = max((p.detach() - torch.from_numpy(gathered[n])).abs().max().item() for n, p in plain.items())
     assert worst <= 1e-7, worst
 
 
 @pytest.mark.slow
-def test_zero3_construction_of_a_1gb_model_stays_well_under_its_size_on_each_rank():
+def test_zero3_construction_of_a_1gb_model_stays_well_under_its_size_on_each_rank(two_rank_builds):
     """A 337M-parameter (1.35 GB fp32) Llama built from config under ZeRO-3 on 2 CPU ranks: each rank holds half the
     parameters and its memory never grows by anything near the full model while it is built."""
-    results = sorted(_run_two_ranks("big", _free_port()), key=lambda r: r["rank"])
+    results = sorted((r["big"] for r in two_rank_builds), key=lambda r: r["rank"])
     full = results[0]["full_bytes"]
     assert results[0]["num_params"] >= 270e6 and full >= 1e9
     for r in results:

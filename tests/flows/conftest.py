@@ -1,4 +1,6 @@
-"""A real Prefect server (SQLite) on loopback, a process work pool and a worker, for the whole session."""
+"""A real Prefect server (SQLite) on loopback, a process work pool and a worker, for the whole session; and one Ray
+cluster that the stage jobs of in-process flow runs join through RAY_ADDRESS (a job that starts its own Ray spends
+about 8 s on it here; the flow tests launch about 20 jobs)."""
 
 import contextlib
 import os
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tasks._launch import kill_tree
+from tests.ray_cluster import cluster_env, local_cluster
 
 BIN = Path(sys.executable).parent
 
@@ -35,6 +38,26 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float 
         except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"prefect server did not answer in {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="package", autouse=True)
+def shared_ray():
+    """A head-only Ray cluster for the session (8 logical CPUs: the roles share the 2 cores), its address in this
+    process's environment for the jobs that the flows launch. The process worker's deployed runs do not get it
+    (``work_pool``): they start their own Ray, so that the cancellation test sees Ray's processes in the job's tree.
+    Package scope: the tests after this folder's see no RAY_ADDRESS."""
+    env = cluster_env()
+    with local_cluster([(8, {})], env) as (address, _):
+        saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+        os.environ.update(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled")
+        try:
+            yield address
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +116,7 @@ def work_pool(prefect_server):
     )
     log = prefect_server["home"] / "worker.log"
     worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "2"}  # picks deployed runs up within 2 s (default 10)
+    worker_env.pop("RAY_ADDRESS", None)  # deployed runs start their own Ray (see shared_ray)
     worker = subprocess.Popen(
         [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--limit", "2"],
         env=worker_env,

@@ -6,16 +6,11 @@ cluster on this machine (a head and a second raylet, each with its own --temp-di
 PPO on it through RAY_ADDRESS with the roles split over both nodes, and reads each node's cache log.
 """
 
-import contextlib
 import json
-import os
 import pickle
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +24,7 @@ from rlhf_core.storage import ArtifactError, ObjectStore
 from tests.conftest import ROOT, TINY
 from tests.conftest_s3 import s3_storage_options
 from tests.jobs.conftest import cfg_for
+from tests.ray_cluster import cluster_env, local_cluster, status
 
 PY = str(Path(sys.executable))
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -162,97 +158,21 @@ def test_missing_or_scarce_resources_are_refused_naming_the_key(tmp_path):
 # A real 2-node cluster on this machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def _cluster_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", node_files.CACHE_ENV, "RLHF_WORK_DIR")}
-    env.update(
-        RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
-    )
-    return env
-
-
-def _start_raylet(temp_dir: Path, cpus: int, resource: str, head_port: int, head: bool) -> subprocess.Popen:
-    ports = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                      "runtime-env-agent-port", "metrics-export-port")]  # fmt: skip
-    if head:
-        where = ["--head", f"--port={head_port}", f"--dashboard-port={_free_port()}", "--include-dashboard=false",
-                 f"--ray-client-server-port={_free_port()}"]  # fmt: skip
-    else:
-        where = [f"--address=127.0.0.1:{head_port}"]
-    cmd = [RAY, "start", "--block", *where, "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--num-gpus=0",
-           f"--resources={json.dumps({resource: 100})}", f"--temp-dir={temp_dir}", "--object-store-memory=200000000",
-           "--disable-usage-stats", *ports]  # fmt: skip
-    with open(temp_dir / "raylet.out", "w") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, env=_cluster_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _pids_under(dirs: list[Path]) -> list[int]:
-    """Processes whose command line names one of our temp dirs (raylets, GCS, workers of this cluster only)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if any(str(d) in cmdline for d in dirs):
-            found.append(int(proc.name))
-    return found
-
-
-def _stop(procs: list[subprocess.Popen], dirs: list[Path]) -> None:
-    """SIGTERM our `ray start --block` process groups, then SIGKILL whatever of this cluster is left, by pid."""
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.time() + 5  # a throwaway cluster: no need to wait for a graceful shutdown
-    while time.time() < deadline and (any(p.poll() is None for p in procs) or _pids_under(dirs)):
-        time.sleep(0.5)
-    for pid in _pids_under(dirs) + [p.pid for p in procs if p.poll() is None]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for p in procs:
-        p.wait(10)
+    return cluster_env(drop=(node_files.CACHE_ENV, "RLHF_WORK_DIR"))
 
 
 def _status(address: str) -> subprocess.CompletedProcess:
-    return subprocess.run([RAY, "status", f"--address={address}"], env=_cluster_env(), capture_output=True, text=True)
+    return status(address, _cluster_env())
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
     """A head with {node_a: 100} and a second raylet with {node_b: 100}, each under its own --temp-dir."""
-    dirs = [Path(tempfile.mkdtemp(prefix="rn-a-", dir="/tmp")), Path(tempfile.mkdtemp(prefix="rn-b-", dir="/tmp"))]
-    port = _free_port()
-    procs = [_start_raylet(dirs[0], 3, "node_a", port, head=True)]
-    try:
-        started = time.time()
-        deadline = started + 90
-        while not _listening(port):  # the GCS is up: the second raylet may join
-            assert time.time() < deadline and procs[0].poll() is None, (dirs[0] / "raylet.out").read_text()
-            time.sleep(0.5)
-        procs.append(_start_raylet(dirs[1], 3, "node_b", port, head=False))
-        address = f"127.0.0.1:{port}"
-        while "node_b" not in (status := _status(address)).stdout or "node_a" not in status.stdout:
-            assert time.time() < deadline and procs[1].poll() is None, status.stdout + status.stderr
-            time.sleep(1)
+    started = time.time()
+    with local_cluster([(3, {"node_a": 100}), (3, {"node_b": 100})], _cluster_env()) as (address, dirs):
         print(f"\n2-node Ray cluster up in {time.time() - started:.0f}s")
         yield address, {"node_a": dirs[0], "node_b": dirs[1]}
-    finally:
-        _stop(procs, dirs)
-        for d in dirs:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def _node_log(temp_dir: Path) -> list[dict]:

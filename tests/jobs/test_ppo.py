@@ -69,7 +69,7 @@ def test_ppo_with_vllm_engine_and_two_zero3_actor_workers(run_dir):
     print(f"\nvLLM, T=0.7: rollout_logprob_max_diff per step {gaps}")
     assert len(gaps) == 3 and max(gaps) < 1e-4, gaps
     # After the updates and syncs, the vLLM engine computes the trained actor's log-probs ...
-    assert m["sync_engine_vs_actor_max_diff"] < 1e-3, m
+    assert m["sync_engine_vs_actor_max_diff"] < 1e-5, m
     # ... which moved away from what the engine computed before the first update.
     assert m["sync_engine_change_max"] > 1e-2, m
     AutoModelForCausalLM.from_pretrained(str(run_dir / "ppo"))
@@ -84,7 +84,7 @@ def test_ppo_raises_the_gold_reward_of_the_sft_policy(run_dir):
     assert m["gold_reward_after"] > m["gold_reward_before"] + 0.05, m
     assert m["rm_score_after"] > m["rm_score_before"], m
     assert m["kl_to_ref_before"] == pytest.approx(0.0, abs=1e-5) and m["kl_to_ref_after"] > 0, m
-    assert m["sync_engine_vs_actor_max_diff"] < 1e-3, m
+    assert m["sync_engine_vs_actor_max_diff"] < 1e-5, m
     assert m["rollout_logprob_max_diff"] < 1e-4, m
     history = history_of(run_dir)
     assert [h["step"] for h in history] == list(range(1, 13))
@@ -168,7 +168,7 @@ def test_ppo_resumes_at_the_checkpoint_without_skipping_or_repeating_prompts(run
     expected = [i for step in range(4) for i in global_batch(1000, 16, step, seed=42)]
     assert consumed == expected and len(set(consumed)) == len(consumed)
     # The resumed engines got the checkpointed actor before generating: they agree with it at the end.
-    assert ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-3
+    assert ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-5
     # The actor's schedule counts only its training steps, so the decay completes: lr x min_lr_ratio at the end.
     actor_lr = [h["actor_lr"] for h in history]
     assert actor_lr[0] == pytest.approx(1e-3)  # frozen step: no optimizer step yet
@@ -207,7 +207,7 @@ def test_config_mistakes_are_refused_before_any_actor_starts(run_dir, no_actors)
 )
 def test_colocated_roles_run_in_placement_groups(run_dir, layout):
     ref = run_ppo(run_dir, *layout, "ppo.train.max_steps=2", "ppo.train.eval_prompts=0")
-    assert ref.metrics["steps"] == 2 and ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-3
+    assert ref.metrics["steps"] == 2 and ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-5
     # HF generate's scores (after its temperature warper) are the actor's log_softmax(logits / T), T = 1 if greedy
     gaps = [h["rollout_logprob_max_diff"] for h in history_of(run_dir)]
     print(f"\nHF, {layout[-1]}: rollout_logprob_max_diff per step {gaps}")
