@@ -163,23 +163,28 @@ class HfZero3Config:
     def partitioned(self) -> Iterator[None]:
         import deepspeed
 
-        _return_large_frees_to_the_os()
-        with deepspeed.zero.Init(config_dict_or_path=self.config):
-            yield
+        _mmap_threshold(1 << 20)
+        try:
+            with deepspeed.zero.Init(config_dict_or_path=self.config):
+                yield
+        finally:
+            _mmap_threshold(32 << 20)
 
 
-def _return_large_frees_to_the_os() -> None:
+def _mmap_threshold(nbytes: int) -> None:
     """Under zero.Init every module's full tensors live a moment and are freed once partitioned. glibc's malloc
     raises its mmap threshold to the size of each freed mapping (up to 32 MiB), so later tensors of that size come
     from the heap, which fragments between the kept partitions and never shrinks: measured on a 1.26 GiB model, a
-    rank's RSS grew by 1.23 GiB while building its 0.63 GiB partition. A fixed 1 MiB threshold (``mallopt``) gives
-    each larger tensor its own mapping, returned to the OS when freed (0.77 GiB there). Not glibc: nothing to do."""
+    rank's RSS grew by 1.23 GiB while building its 0.63 GiB partition. A 1 MiB threshold (``mallopt``) during
+    construction gives each larger tensor its own mapping, returned to the OS when freed (0.77 GiB there). After
+    it, 32 MiB (glibc's own ceiling): a training step's many short-lived tensors below that come from the heap again
+    instead of fresh, zero-filled mappings. Not glibc: nothing to do."""
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
 
