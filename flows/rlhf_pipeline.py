@@ -65,6 +65,10 @@ def resolve(params: PipelineParams) -> tuple[PipelineConfig, str]:
                 f"'{item.split('=', 1)[0]}' cannot be a flow parameter (parameters are stored by Prefect): set "
                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the worker's environment"
             )
+        if item.split("=", 1)[0].strip() == "run_uri":  # the flow sets it last: an override would be lost
+            raise ConfigError(
+                f"'{item}': the run's location is the run_uri parameter (rlhf run --run-uri ...), not an override"
+            )
     run_uri = params.run_uri or f"runs/{params.run_name}"
     if "://" not in run_uri and not Path(run_uri).is_absolute():
         run_uri = str(ROOT / run_uri)

@@ -19,6 +19,8 @@ def test_bad_parameters_are_refused():
         resolve(PipelineParams(preset="nope"))
     with pytest.raises(ConfigError, match="'storage.secret' cannot be a flow parameter"):
         resolve(PipelineParams(overrides=["storage.secret=hunter2"]))
+    with pytest.raises(ConfigError, match="'run_uri=/tmp/x': the run's location is the run_uri parameter"):
+        resolve(PipelineParams(overrides=["run_uri=/tmp/x"]))
     with pytest.raises(ValidationError):
         PipelineParams(run_name="../escape")
 
