@@ -29,26 +29,25 @@ from tests.distributed.test_rollout_engine import check_responses, failing, hf_l
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    tok = load_tokenizer("builtin:tiny")  # 2 attention heads of 32: splits over 2 TP ranks
-    model = build_causal_lm("builtin:tiny", tok, seed=0, dtype=torch.float32, attn="sdpa")
-    path = tmp_path_factory.mktemp("tiny_tp")
+def _saved_model(tmp_path_factory, name: str):
+    """``builtin:<name>`` built with seed 0 and saved as a Hugging Face directory (what a vLLM engine loads)."""
+    tok = load_tokenizer(f"builtin:{name}")
+    model = build_causal_lm(f"builtin:{name}", tok, seed=0, dtype=torch.float32, attn="sdpa")
+    path = tmp_path_factory.mktemp(f"{name}_tp")
     model.save_pretrained(path)
     tok.save_pretrained(path)
     prompts = [tok(text)["input_ids"] for text in ("hello there", "tell me a story", "why")]
     return str(path), tok, model, prompts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _saved_model(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory):
-    tok = load_tokenizer("builtin:medium")  # the 24M model: 8 attention heads of 64, 4 per TP rank
-    model = build_causal_lm("builtin:medium", tok, seed=0, dtype=torch.float32, attn="sdpa")
-    path = tmp_path_factory.mktemp("medium_tp")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    prompts = [tok(text)["input_ids"] for text in ("hello there", "tell me a story", "why")]
-    return str(path), tok, model, prompts
+    return _saved_model(tmp_path_factory, "medium")  # the 24M model: 8 attention heads of 64, 4 per TP rank
 
 
 def test_vllm_tp2_generates_syncs_both_workers_in_buckets_in_its_placement_group(ray_cluster, medium):
