@@ -52,6 +52,7 @@ from rlhf_core.config import (
 from rlhf_core.data.examples import preference_examples, sft_examples
 from rlhf_core.data.sampler import global_batch, total_steps
 from rlhf_core.distributed import launcher
+from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
 from rlhf_core.jobs import common, critic_init, reward_model, sft
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, build_scalar_model, load_tokenizer
@@ -184,8 +185,8 @@ def first_batch(cfg: PipelineConfig, stage: str) -> list[int]:
 
 
 def worker_device(cfg: PipelineConfig, stage: str) -> str:
-    """The device a training group's workers get (launcher.resolve_device, RLHF_DEVICE and num_gpus)."""
-    return launcher.resolve_device(cfg.stage(stage).strategy.device)
+    """The device a training group's workers get (device.resolve_device, RLHF_DEVICE and num_gpus)."""
+    return resolve_device(cfg.stage(stage).strategy.device)
 
 
 def pairwise_loss(cfg: PipelineConfig, stage: str) -> float:
@@ -802,8 +803,8 @@ def _role_report(c) -> dict:
         "reference": fingerprint(c.reference.obj.model) if c.reference is not None else None,
         "engine": fingerprint(c.engines.engines[0].engine.model),
         "groups": {"actor": c.actor.cfg, "critic": c.critic.cfg},
-        "devices": {"actor": launcher.resolve_device(c.actor.cfg.device),
-                    "critic": launcher.resolve_device(c.critic.cfg.device)},
+        "devices": {"actor": resolve_device(c.actor.cfg.device),
+                    "critic": resolve_device(c.critic.cfg.device)},
         "micro_batches": {role: [] for role in roles},
     }  # fmt: skip
 

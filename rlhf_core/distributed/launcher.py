@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol
 
 from rlhf_core import events
 from rlhf_core.config import ConfigError, StrategyConfig
+from rlhf_core.distributed.device import resolve_device
 
 if TYPE_CHECKING:  # annotations only: Ref[R] is the ObjectRef of a remote call returning R
     from ray import ObjectRef as Ref
@@ -29,12 +30,6 @@ T = TypeVar("T")
 S = TypeVar("S")
 R = TypeVar("R")
 P = ParamSpec("P")
-
-
-def resolve_device(requested: str) -> str:
-    from rlhf_core.distributed.device import resolve_device as resolve
-
-    return resolve(requested)
 
 
 # Forwarded from the driver to every worker when set: a driver told to stay offline keeps its workers offline too.

@@ -35,17 +35,11 @@ class DeepSpeedStrategy:
 
     # -- process group ------------------------------------------------------------------------------------------------
     def init_distributed(self) -> None:
-        import deepspeed
-
-        if self.device == "cuda":
-            torch.cuda.set_device(device.current())
-        if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if self.device == "cuda" else "gloo")
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size = join_world()
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.precision == "bf16" else torch.float32
+        return precision_dtype(self.cfg.precision)
 
     @property
     def accumulation_steps(self) -> int:
@@ -142,6 +136,23 @@ class DeepSpeedStrategy:
         return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
 
+def join_world() -> tuple[int, int]:
+    """Join this worker's torch.distributed world (NCCL on CUDA, after selecting the worker's device; gloo on CPU),
+    unless already joined; returns (rank, world size)."""
+    import deepspeed
+
+    where = device.current()
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if where.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 class HfZero3Config:
     """The DeepSpeed config transformers reads while it builds or loads a model under ZeRO-3.
 
@@ -206,19 +217,13 @@ class FrozenStrategy:
         self.engine_config: dict | None = None
         self._hf_zero3: HfZero3Config | None = None
         if zero_stage == 3:
-            import deepspeed
-
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            if not dist.is_initialized():
-                deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.rank, self.world_size = join_world()
             self.engine_config = self.ds_config()
             self._hf_zero3 = HfZero3Config(self.engine_config)
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        return precision_dtype(self.precision)
 
     def ds_config(self) -> dict:
         """OpenRLHF's eval config: ZeRO-3 without optimizer, parameters offloaded to the CPU when asked."""

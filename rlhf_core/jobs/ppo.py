@@ -59,9 +59,10 @@ from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.actor import PolicyActor
 from rlhf_core.distributed.critic import CriticActor
+from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.reward import RewardScorer
-from rlhf_core.distributed.role_base import RoleContext
+from rlhf_core.distributed.role_base import RoleContext, TrainableRole
 from rlhf_core.distributed.trainer import checkpoint_rel, newest_checkpoint, prune_checkpoints, write_entry
 from rlhf_core.distributed.weight_sync import resolve_backend
 from rlhf_core.jobs import common
@@ -241,7 +242,7 @@ class PPOController:
         self.stats = reward_stats(stage, p, st.paths["reward"])
         self.gold = load_gold(p.train.gold_reward)
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
-        self.device = launcher.resolve_device(p.actor_strategy.device)
+        self.device = resolve_device(p.actor_strategy.device)
         # PPO steps in which the actor trains: its LR schedule spans only those (the frozen warm-up steps do not
         # count, so a decaying schedule completes on the last step).
         self.actor_ppo_steps = max(0, self.steps - p.train.freeze_actor_steps) if train_actor else 0
@@ -453,22 +454,14 @@ class PPOController:
         self.engines.wake_up(["weights"])  # sleeping engines take the weights first; the KV cache waits for a rollout
         return self.actor.call(PolicyActor.push_weights)[0]
 
-    def offload_training_states(self) -> None:
+    def move_training_states(self, offload: bool) -> None:
         """``offload_states_during_rollout``: actor and critic optimizer states and gradients to host memory while
-        the engines generate (``TrainableRole.offload_states``; nothing moves on CPU). Their weights stay for the
-        experience forwards."""
+        the engines generate (``offload``), back before training (``TrainableRole.offload_states`` /
+        ``reload_states``; nothing moves on CPU). Their weights stay for the experience forwards."""
         if self.p.offload_states_during_rollout:
             assert self.actor is not None and self.critic is not None
-            launcher.wait(
-                self.actor.call_async(PolicyActor.offload_states) + self.critic.call_async(CriticActor.offload_states)
-            )
-
-    def reload_training_states(self) -> None:
-        if self.p.offload_states_during_rollout:
-            assert self.actor is not None and self.critic is not None
-            launcher.wait(
-                self.actor.call_async(PolicyActor.reload_states) + self.critic.call_async(CriticActor.reload_states)
-            )
+            method = TrainableRole.offload_states if offload else TrainableRole.reload_states
+            launcher.wait(self.actor.call_async(method) + self.critic.call_async(method))
 
     # -- evaluation ---------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -572,7 +565,7 @@ class PPOController:
                 n=p.rollout.n_samples_per_prompt, temperature=p.rollout.temperature, top_p=p.rollout.top_p,
                 max_new_tokens=p.rollout.max_new_tokens, seed=t.seed * 100_003 + step,
             )  # fmt: skip
-            self.offload_training_states()
+            self.move_training_states(offload=True)
             responses, engine_logprobs = self.engines.generate_with_logprobs(prompt_ids, sampling)
             self.engines.sleep()  # rollout.enable_sleep: the engines' GPU memory is the trainers' until the next sync
             # 2. experience
@@ -583,7 +576,7 @@ class PPOController:
             logs["rollout_logprob_max_diff"] = rollout_logprob_gap(exp, engine_logprobs)
             # 4. PPO epochs: the critic always trains, the actor after the frozen warm-up steps
             actor_frozen = not self.train_actor or step < t.freeze_actor_steps
-            self.reload_training_states()
+            self.move_training_states(offload=False)
             logs.update(self.train(exp, step, actor_frozen))
             # 5. weight sync to the engines
             if not actor_frozen:

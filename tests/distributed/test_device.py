@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,7 @@ import torch
 from rlhf_core.algos.batching import make_sequences
 from rlhf_core.distributed import device
 from tests.conftest import TINY
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ray_cluster import free_port
 
 
 def test_to_device_moves_dicts_and_tensor_batches():
@@ -75,7 +69,7 @@ def _collectives_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_collectives_run_on_the_group_device_and_write_back(tmp_path):
-    torch.multiprocessing.spawn(_collectives_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_collectives_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert r["comm_device"] == "cpu"
@@ -159,7 +153,7 @@ def _batch_path_worker(port: int, run_dir: str, out: str) -> None:
 def test_role_and_trainer_forwards_take_the_batch_to_device_path(tmp_path):
     ctx = mp.get_context("spawn")
     out = tmp_path / "seen.json"
-    proc = ctx.Process(target=_batch_path_worker, args=(_free_port(), str(tmp_path), str(out)))
+    proc = ctx.Process(target=_batch_path_worker, args=(free_port(), str(tmp_path), str(out)))
     proc.start()
     proc.join(timeout=600)
     assert proc.exitcode == 0, f"worker exited with {proc.exitcode}"

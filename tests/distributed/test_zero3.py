@@ -24,6 +24,7 @@ from rlhf_core.distributed.strategy import DeepSpeedStrategy
 from rlhf_core.distributed.trainer import rank_files
 from rlhf_core.models.builders import build_causal_lm, build_scalar_model, init_from_config, load_tokenizer
 from rlhf_core.storage import ObjectStore
+from tests.ray_cluster import free_port
 
 # About 337M parameters, 1.35 GB in fp32: larger than a rank may hold while it is built.
 BIG_LLAMA = dict(
@@ -111,19 +112,11 @@ def _run_two_ranks(jobs: tuple[str, ...], port: int) -> list:
     return results
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_rank_builds() -> list[dict]:
     """Both construction jobs in one pair of rank processes (one start-up of DeepSpeed and gloo): the big model
     first, so that the lifetime peak (ru_maxrss) it reports is its own."""
-    return _run_two_ranks(("big", "tiny"), _free_port())
+    return _run_two_ranks(("big", "tiny"), free_port())
 
 
 @pytest.mark.slow
