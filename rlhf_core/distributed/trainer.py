@@ -51,6 +51,7 @@ class StageContext:
     fail_after_step: int | None = None  # fault injection for tests (RLHF_FAIL_AFTER_STEP)
     upstream: dict = field(default_factory=dict)
     trust_remote_code: bool = False  # <stage>.model.trust_remote_code: custom modelling code of the model directory
+    job_started: float | None = None  # epoch seconds the job's process started (rlhf_core.timing): startup_s
 
 
 class StageImpl(Protocol):
@@ -117,6 +118,9 @@ class SupervisedTrainer:
             self._log(f"resumed from {self.store.uri(found[1])} at step {state['step']}")
 
         # 3. train: step k consumes stream items [k*B, (k+1)*B), this rank its slice of them
+        startup_s = None if ctx.job_started is None else time.time() - ctx.job_started
+        if startup_s is not None:
+            self._log(f"first step {startup_s:.1f}s after the job started")
         history = []
         for step in range(state["step"], steps):
             started = time.time()
@@ -153,6 +157,8 @@ class SupervisedTrainer:
             "loss_start": state["first_loss"],
             "loss_end": history[-1]["loss"] if history else None,
         }
+        if startup_s is not None:
+            metrics["startup_s"] = startup_s  # job start -> first step (rank 0's clock)
         if self.eval_examples:
             chunks = range(0, len(self.eval_examples), t.eval_batch_size)
             batches = (self._batch(self.eval_examples[lo : lo + t.eval_batch_size], pad_id) for lo in chunks)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_core import events
+from rlhf_core import events, timing
 from rlhf_core.config import STAGE_PREFIX, ConfigError, PipelineConfig, load_config, stage_hash
 from rlhf_core.data.sampler import total_steps
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
@@ -163,7 +163,7 @@ class StageSetup:
             config_hash=self.config_hash, model_path=self.sources["model"], tokenizer_path=s.model.tokenizer,
             init_seed=s.model.init_seed, trust_remote_code=s.model.trust_remote_code, strategy=s.strategy,
             optim=s.optim, train=s.train, work_dir=self.work,
-            fail_after_step=fail_after_step(), upstream=self.upstream,
+            fail_after_step=fail_after_step(), upstream=self.upstream, job_started=timing.job_started(),
         )  # fmt: skip
 
 

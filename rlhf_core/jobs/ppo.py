@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core import events
+from rlhf_core import events, timing
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.losses import masked_mean
@@ -556,6 +556,8 @@ class PPOController:
             print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
 
         fail_after = common.fail_after_step()
+        startup_s = timing.since_job_start()
+        print(f"[{stage}] first step {startup_s:.1f}s after the job started", flush=True)
         for step in range(state["step"], self.steps):
             started = time.time()
             # 1. rollout: step k reads prompts [k*R, (k+1)*R) of the seeded prompt stream
@@ -600,7 +602,7 @@ class PPOController:
 
         after = self.evaluate()
         print(f"[{stage}] after: {_fmt(after)}", flush=True)
-        metrics: dict[str, Any] = {"steps": self.steps, "resumed_from_step": resumed_from}
+        metrics: dict[str, Any] = {"steps": self.steps, "resumed_from_step": resumed_from, "startup_s": startup_s}
         # Proof of the weight sync: the engines now compute what the trained actor computes.
         engine_lp, actor_lp = self.probe_logprobs()
         metrics["sync_engine_vs_actor_max_diff"] = max(abs(a - b) for a, b in zip(engine_lp, actor_lp))
