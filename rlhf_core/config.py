@@ -106,6 +106,12 @@ class StrategyConfig:
     resources: dict[str, float] = opt(
         {}, "Ray custom resources each worker asks for, e.g. {node_a: 1} pins the group to nodes started with it."
     )
+    packing: bool = opt(
+        True,
+        "Remove padding inside every forward: pack the samples of a micro-batch into rows with restarting "
+        "position_ids (block-diagonal attention; flash-attention varlen on GPU). PPO's frozen reward and "
+        "reference models follow ppo.actor_strategy.packing.",
+    )
 
 
 @dataclass

@@ -142,7 +142,10 @@ def eval_examples(cfg: PipelineConfig, stage: str) -> Any:
 
 
 def _stage_impl(cfg: PipelineConfig, stage: str):
-    return sft.SFTImpl() if cfg.kind(stage) == "sft" else reward_model.RewardModelImpl(cfg.stage(stage).margin)
+    section = cfg.stage(stage)
+    if cfg.kind(stage) == "sft":
+        return sft.SFTImpl(section.strategy.packing)
+    return reward_model.RewardModelImpl(section.margin, section.strategy.packing)
 
 
 def rank_model(cfg: PipelineConfig, stage: str) -> Any:
@@ -182,6 +185,31 @@ def first_batch(cfg: PipelineConfig, stage: str) -> list[int]:
     """Dataset indices of the first optimizer step (sampler.global_batch with the train seed)."""
     t = common.setup_stage(cfg, stage).context().train
     return global_batch(len(_examples(cfg, stage, "train")), t.train_batch_size, 0, t.seed)
+
+
+def loss_forwards(cfg: PipelineConfig, stage: str) -> list[tuple[int, bool]]:
+    """The model forwards of impl.loss on four training examples of mixed lengths with a fixed tiny model: (rows,
+    whether the rows came packed: position_ids and no attention mask) of each."""
+    impl = _stage_impl(cfg, stage)
+    tokenizer = load_tokenizer("builtin:tiny")
+    model = impl.build_model(common.setup_stage(cfg, stage).context(), tokenizer, torch.float32, "sdpa")
+    examples = sorted(_examples(cfg, stage, "train")[:16], key=lambda e: len(e.get("input_ids", e.get("chosen_ids"))))
+    calls: list[tuple[int, bool]] = []
+    model.register_forward_pre_hook(forward_record(calls), with_kwargs=True)
+    impl.loss(model, impl.collate(examples[:2] + examples[-2:], tokenizer.pad_token_id))
+    return calls
+
+
+def forward_record(calls: list):
+    """A forward pre-hook appending (rows, packed) of each call: packed = position_ids given without a mask."""
+
+    def hook(module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        position_ids = args[2] if len(args) > 2 else kwargs.get("position_ids")
+        calls.append((len(ids), mask is None and position_ids is not None))
+
+    return hook
 
 
 def worker_device(cfg: PipelineConfig, stage: str) -> str:
@@ -459,6 +487,12 @@ TRAINING_SECTION: dict[str, Probe] = {
         expect=lambda a, b: (a["attn"], b["attn"]) == ("sdpa", "eager"),
     ),
     "strategy.device": probe("{stage}.strategy.device=cuda", observe=worker_device),
+    "strategy.packing": probe(
+        "{stage}.strategy.packing=false",
+        observe=loss_forwards,
+        # packed rows (never more of them than the padded rows of the same examples), then padded ones
+        expect=lambda a, b: all(p for _, p in a) and not any(p for _, p in b) and a[0][0] <= b[0][0],
+    ),
     "strategy.cpus_per_worker": probe(
         "{stage}.strategy.cpus_per_worker=0.5",
         observe=worker_group,
@@ -808,10 +842,8 @@ def _role_report(c) -> dict:
         "micro_batches": {role: [] for role in roles},
     }  # fmt: skip
 
-    def record(rows: list):
-        return lambda module, args, kwargs: rows.append(len(args[0] if args else kwargs["input_ids"]))
-
-    hooks = [m.register_forward_pre_hook(record(out["micro_batches"][r]), with_kwargs=True) for r, m in roles.items()]
+    calls = out["micro_batches"]
+    hooks = [m.register_forward_pre_hook(forward_record(calls[r]), with_kwargs=True) for r, m in roles.items()]
     try:
         exp = c.experience(prompts, responses)
     finally:
@@ -934,7 +966,9 @@ def recomputation(role: str):
     )  # fmt: skip
 
 
-micro_batches = report_part("micro_batches", doc="Rows of each forward of each role in the experience phase.")
+micro_batches = report_part(
+    "micro_batches", doc="(rows, packed) of each forward of each role in the experience phase."
+)
 sampling = report_part("evaluate", doc="PPOController.evaluate(): the engines sample the held-out prompts.")
 train_phase = report_part("train", doc="PPOController.train() on a fixed experience: the actor's and critic's fit.")
 
@@ -944,6 +978,25 @@ def rollout_distribution(cfg: PipelineConfig, stage: str) -> Any:
     and the engines' samples (evaluate)."""
     out = ppo_roles(cfg, stage)
     return {"logprobs": out["logprobs"], "evaluate": out["evaluate"]}
+
+
+PACKING_FOLLOWERS = {"actor": ("actor", "reward", "reference"), "critic": ("critic",)}
+
+
+def packing_turned_off(roles: tuple[str, ...]) -> Callable[[Any, Any], bool]:
+    """Expectation on ``micro_batches``: every forward of ``roles`` packed before and none after; the other roles'
+    forwards unchanged."""
+
+    def expect(a: dict, b: dict) -> bool:
+        for role in a:
+            if role in roles:
+                if not (all(p for _, p in a[role]) and not any(p for _, p in b[role])):
+                    return False
+            elif a[role] != b[role]:
+                return False
+        return True
+
+    return expect
 
 
 PPO_BASE = ("{stage}.actor.name_or_path=builtin:tiny", "{stage}.critic.name_or_path={rm_seed0}",
@@ -1036,6 +1089,13 @@ def _ppo_section(kind: str) -> dict[str, Probe]:
                 expect=lambda a, b: (a["attn"], b["attn"]) == ("sdpa", "eager"),
             ),
             f"{role}_strategy.cpus_per_worker": probe(f"{s}.cpus_per_worker=2.0", observe=ppo_plan),
+            # the actor's flag also sets the frozen reward and reference models' packing
+            f"{role}_strategy.packing": probe(
+                f"{s}.packing=false",
+                observe=micro_batches,
+                slow=True,
+                expect=packing_turned_off(PACKING_FOLLOWERS[role]),
+            ),
             f"{role}_strategy.resources": probe(
                 f"{s}.resources={{{{node_a: 1}}}}", observe=ppo_plan, expect=lambda a, b: b["cpu"]["node_a"] == 1
             ),
@@ -1200,7 +1260,8 @@ def _ppo_section(kind: str) -> dict[str, Probe]:
             "{stage}.train.micro_rollout_batch_size=4",
             observe=micro_batches,
             slow=True,
-            expect=lambda a, b: all(set(rows) == {4} for rows in b.values()),
+            base=("{stage}.actor_strategy.packing=false", "{stage}.critic_strategy.packing=false"),
+            expect=lambda a, b: all({n for n, _ in calls} == {4} for calls in b.values()),
         ),
         "train.num_episodes": probe("{stage}.train.num_episodes=2", observe=ppo_controller),
         "train.max_steps": probe("{stage}.train.max_steps=1", observe=ppo_controller),

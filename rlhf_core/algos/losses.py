@@ -6,8 +6,11 @@ Pure torch, tensor in and tensor out; shapes in the docstrings. B = batch, T = s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -70,7 +73,9 @@ def window_loss_scale(accumulation_steps: int, world_size: int) -> float:
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each next token, under the logits divided by the sampling temperature.
+    """Log-probability of each next token, under the logits divided by the sampling temperature: the
+    full-vocabulary formula at every position (the stages and roles use :func:`chunked_token_logprobs` on the
+    scored positions only, through ``rlhf_core.models.forward``; this one is their reference).
 
     Use the rollout's temperature so that the log-probs are those of the distribution the tokens were sampled from
     (as OpenRLHF does); 1.0 leaves the logits as they are (no division at all).
@@ -91,17 +96,67 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+# Logits per chunk of chosen-token log-probs: chunk positions x vocabulary stays at most this many elements
+# (128 MiB of fp32), e.g. 1024 positions of a 32k vocabulary, 220 of Qwen's 152k.
+LOGPROB_CHUNK_ELEMENTS = 2**25
+
+
+def logprob_chunk_size(vocab_size: int, max_elements: int = LOGPROB_CHUNK_ELEMENTS) -> int:
+    """Positions per chunk of :func:`chunked_token_logprobs`: ``max_elements // vocab_size``, at least 1."""
+    return max(1, max_elements // max(1, vocab_size))
+
+
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: Callable, temperature: float) -> torch.Tensor:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float = 1.0, chunk_size: int = 1024,
+) -> torch.Tensor:  # fmt: skip
+    """log p(target) for the chosen positions only, ``chunk_size`` positions at a time: logits = ``head(hidden)``,
+    log p = logit[target] - logsumexp(logits), the same as ``log_softmax(logits)[target]`` (as
+    :func:`token_logprobs`) without ever holding more than one chunk's (chunk_size, V) fp32 logits. With autograd
+    on, each chunk is checkpointed: backward recomputes its logits instead of keeping them, so training memory does
+    not grow with positions x vocabulary either.
+
+    Args:
+        hidden: (M, H) final hidden states at the positions whose next token is scored.
+        targets: (M,) long, the next token at each of them.
+        head: (m, H) -> (m, V) logits (the LM head).
+        temperature: > 0; the logits are divided by it.
+        chunk_size: positions per chunk (>= 1), e.g. :func:`logprob_chunk_size` of the vocabulary.
+    Returns:
+        (M,) float32.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    parts = []
+    for lo in range(0, hidden.size(0), chunk_size):
+        h, t = hidden[lo : lo + chunk_size], targets[lo : lo + chunk_size]
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(h, t, head, temperature))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean negative log-likelihood of the response tokens.
 
     Args:
-        logits: (B, T, V).
-        input_ids: (B, T).
+        logprobs: (B, T-1) next-token log-probs (:func:`token_logprobs`, or the chosen-token ones of
+            ``rlhf_core.models.forward.causal_lm_logprobs``, which only fills the masked positions).
         loss_mask: (B, T), 1 on the tokens to learn (the response and its EOS), 0 on prompt and padding.
     Returns:
         scalar: -mean over masked targets of log p(token | prefix). Position 0 is never a target.
     """
-    return -masked_mean(token_logprobs(logits, input_ids), loss_mask[:, 1:])
+    return -masked_mean(logprobs, loss_mask[:, 1:])
 
 
 def pairwise_reward_loss(

@@ -11,16 +11,19 @@ import torch
 from torch import nn
 
 from rlhf_core.algos.experience import Experience, SequenceBatch
-from rlhf_core.algos.losses import token_logprobs
 from rlhf_core.algos.ppo import distributed_masked_whiten, policy_loss
 from rlhf_core.distributed.role_base import TrainableRole, logprob_temperature
 from rlhf_core.distributed.weight_sync import dtype_name
 from rlhf_core.models.builders import build_causal_lm
+from rlhf_core.models.forward import causal_lm_logprobs
 
 
-def _logprobs(model: Any, batch: SequenceBatch, temperature: float) -> torch.Tensor:
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return token_logprobs(logits, batch.input_ids, logprob_temperature(temperature))
+def _logprobs(model: Any, batch: SequenceBatch, temperature: float, pack: bool) -> torch.Tensor:
+    """(N, T-1) log-probs of the action tokens (0 elsewhere): packed, chosen tokens only (``models.forward``)."""
+    return causal_lm_logprobs(
+        model, batch.input_ids, batch.attention_mask, batch.action_mask,
+        temperature=logprob_temperature(temperature), pack=pack,
+    )  # fmt: skip
 
 
 class PolicyActor(TrainableRole):
@@ -34,10 +37,10 @@ class PolicyActor(TrainableRole):
         )
 
     def logprobs(self, batch: SequenceBatch, temperature: float | None = None) -> torch.Tensor:
-        """(N, T-1) log-probs of this rank's shard under the current policy, at the rollout temperature (or at
-        ``temperature``, e.g. 1.0 for the raw logits)."""
+        """(N, T-1) log-probs of the action tokens of this rank's shard under the current policy (0 elsewhere), at
+        the rollout temperature (or at ``temperature``, e.g. 1.0 for the raw logits)."""
         t = self.ctx.temperature if temperature is None else temperature
-        return self.forward_batches(batch, lambda model, micro: _logprobs(model, micro, t))
+        return self.forward_batches(batch, lambda model, micro: _logprobs(model, micro, t, self.ctx.strategy.packing))
 
     def fit(self, exp: Experience, step: int) -> dict[str, float]:
         """PPO epochs on this rank's shard; advantages are whitened over the whole batch across all actor ranks."""
@@ -46,10 +49,10 @@ class PolicyActor(TrainableRole):
             exp = exp.with_advantages(
                 distributed_masked_whiten(exp.advantages, exp.action_mask, self.strategy.all_reduce_sum), exp.returns
             )
-        eps, temperature = self.ctx.algo.eps_clip, self.ctx.temperature
+        eps, temperature, pack = self.ctx.algo.eps_clip, self.ctx.temperature, self.ctx.strategy.packing
 
         def loss_fn(model: Any, micro: Experience, num_tokens: float) -> tuple[torch.Tensor, dict]:
-            logp = _logprobs(model, micro, temperature)
+            logp = _logprobs(model, micro, temperature, pack)
             return policy_loss(
                 logp, micro.old_logprobs, micro.advantages, micro.action_mask, eps, num_tokens=num_tokens
             )

@@ -12,13 +12,14 @@ from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.ppo import normalize_scores, value_loss
 from rlhf_core.distributed.role_base import TrainableRole
 from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model
+from rlhf_core.models.forward import scalar_values
 
 
-def _values(model: Any, batch: SequenceBatch, reward_stats: tuple[float, float] | None) -> torch.Tensor:
+def _values(model: Any, batch: SequenceBatch, reward_stats: tuple[float, float] | None, pack: bool) -> torch.Tensor:
     """(N, T-1): the value of the state after token t, aligned with the log-prob of token t+1. With reward
     normalisation on, (raw head - reward_mean) / reward_std, the scale of the normalised rewards (as OpenRLHF's
     critic does), in training and at rollout alike."""
-    values = model(batch.input_ids, batch.attention_mask)[:, :-1]
+    values = scalar_values(model, batch.input_ids, batch.attention_mask, pack=pack)[:, :-1]
     return values if reward_stats is None else normalize_scores(values, *reward_stats)
 
 
@@ -33,14 +34,15 @@ class CriticActor(TrainableRole):
         return ScalarHeadModel(hf)
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
-        return self.forward_batches(batch, lambda model, micro: _values(model, micro, self.ctx.reward_stats))
+        stats, pack = self.ctx.reward_stats, self.ctx.strategy.packing
+        return self.forward_batches(batch, lambda model, micro: _values(model, micro, stats, pack))
 
     def fit(self, exp: Experience, step: int) -> dict[str, float]:
         assert exp.returns is not None, "the critic trains on experience with returns"
-        clip, stats = self.ctx.algo.value_clip, self.ctx.reward_stats
+        clip, stats, pack = self.ctx.algo.value_clip, self.ctx.reward_stats, self.ctx.strategy.packing
 
         def loss_fn(model: Any, micro: Experience, num_tokens: float) -> tuple[torch.Tensor, dict]:
-            values = _values(model, micro, stats)
+            values = _values(model, micro, stats, pack)
             return value_loss(values, micro.values, micro.returns, micro.action_mask, clip, num_tokens=num_tokens)
 
         stats_out = self.train_epochs(exp, step, loss_fn)

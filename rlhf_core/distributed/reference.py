@@ -9,18 +9,18 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.algos.experience import SequenceBatch
-from rlhf_core.algos.losses import token_logprobs
 from rlhf_core.distributed.node_files import local_model_path
 from rlhf_core.distributed.role_base import logprob_temperature
 from rlhf_core.distributed.strategy import FrozenStrategy
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, load_tokenizer
+from rlhf_core.models.forward import causal_lm_logprobs
 
 
 class ReferencePolicy:
     def __init__(
         self, model_path: str, micro_batch_size: int, precision: str, init_seed: int = 0, *,
         temperature: float = 1.0, tokenizer_path: str | None = None, trust_remote_code: bool = False,
-        zero_stage: int = 0, offload: bool = False,
+        zero_stage: int = 0, offload: bool = False, packing: bool = True,
     ):  # fmt: skip
         model_path = local_model_path(model_path)  # a StageModel: this node's copy
         self.strategy = FrozenStrategy(zero_stage, offload, precision, micro_batch_size)
@@ -33,14 +33,17 @@ class ReferencePolicy:
             )
         )  # fmt: skip
         self.temperature = logprob_temperature(temperature)
+        self.packing = packing
 
     @torch.no_grad()
     def logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        """(N, T-1) log-probs under the reference policy, logits divided by the rollout temperature. Collective
-        under ZeRO-3: every worker of the group calls it (with its shard) at once."""
+        """(N, T-1) log-probs of the action tokens under the reference policy (0 elsewhere), logits divided by the
+        rollout temperature. Collective under ZeRO-3: every worker of the group calls it (with its shard) at once."""
 
         def fn(micro: SequenceBatch) -> torch.Tensor:
-            logits = self.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
-            return token_logprobs(logits, micro.input_ids, self.temperature)
+            return causal_lm_logprobs(
+                self.model, micro.input_ids, micro.attention_mask, micro.action_mask, temperature=self.temperature,
+                pack=self.packing,
+            )  # fmt: skip
 
         return self.strategy.map_micro(batch, fn)

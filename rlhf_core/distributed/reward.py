@@ -12,15 +12,18 @@ from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.distributed.node_files import local_model_path
 from rlhf_core.distributed.strategy import FrozenStrategy
 from rlhf_core.models.builders import ScalarHeadModel, attn_implementation, build_scalar_model, load_tokenizer
+from rlhf_core.models.forward import scalar_values
 
 
 class RewardScorer:
     def __init__(
         self, model_path: str, micro_batch_size: int, precision: str, *, tokenizer_path: str | None = None,
         init_seed: int = 0, trust_remote_code: bool = False, zero_stage: int = 0, offload: bool = False,
+        packing: bool = True,
     ):  # fmt: skip
         model_path = local_model_path(model_path)  # a StageModel: this node's copy
         self.strategy = FrozenStrategy(zero_stage, offload, precision, micro_batch_size)
+        self.packing = packing
         self.tokenizer = load_tokenizer(model_path, tokenizer_path, trust_remote_code=trust_remote_code)
         attn = attn_implementation("auto", self.strategy.device.type)
         self.model = self.strategy.build(
@@ -37,6 +40,7 @@ class RewardScorer:
         """(N,) reward of each sequence. Collective under ZeRO-3: every worker of the group calls it at once."""
 
         def fn(micro: SequenceBatch) -> torch.Tensor:
-            return ScalarHeadModel.last_values(self.model(micro.input_ids, micro.attention_mask), micro.attention_mask)
+            values = scalar_values(self.model, micro.input_ids, micro.attention_mask, pack=self.packing)
+            return ScalarHeadModel.last_values(values, micro.attention_mask)
 
         return self.strategy.map_micro(batch, fn)

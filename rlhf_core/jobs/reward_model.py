@@ -21,13 +21,15 @@ from rlhf_core.distributed import launcher
 from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model, load_tokenizer
+from rlhf_core.models.forward import scalar_values
 from rlhf_core.types import CheckpointRef
 
 KIND = "reward_model"
 
 
 class RewardModelImpl:
-    def __init__(self, margin: float):
+    def __init__(self, margin: float, packing: bool = True):
+        self.packing = packing  # <stage>.strategy.packing: padding removed inside the forward
         self.margin = margin
 
     def build_model(self, ctx: StageContext, tokenizer, dtype: torch.dtype, attn: str) -> torch.nn.Module:
@@ -47,7 +49,7 @@ class RewardModelImpl:
         return {"input_ids": pad_right(ids, pad_id), "attention_mask": pad_right([[1] * len(x) for x in ids], 0)}
 
     def rewards(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        values = model(batch["input_ids"], batch["attention_mask"])
+        values = scalar_values(model, batch["input_ids"], batch["attention_mask"], pack=self.packing)
         rewards = ScalarHeadModel.last_values(values, batch["attention_mask"])
         half = rewards.size(0) // 2
         return rewards[:half], rewards[half:]
@@ -94,7 +96,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     common.check_steps(stage, section, len(train))
 
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
-    impl = RewardModelImpl(section.margin)
+    impl = RewardModelImpl(section.margin, section.strategy.packing)
     try:
         metrics = launcher.run_group(
             section.strategy, SupervisedTrainer, impl, st.context(), train, held_out, key=f"{stage}.strategy"

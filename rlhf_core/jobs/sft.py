@@ -20,12 +20,16 @@ from rlhf_core.distributed import launcher
 from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
+from rlhf_core.models.forward import causal_lm_logprobs
 from rlhf_core.types import CheckpointRef
 
 KIND = "sft"
 
 
 class SFTImpl:
+    def __init__(self, packing: bool = True):
+        self.packing = packing  # <stage>.strategy.packing: padding removed inside the forward
+
     def build_model(self, ctx: StageContext, tokenizer, dtype: torch.dtype, attn: str) -> torch.nn.Module:
         return build_causal_lm(
             ctx.model_path,
@@ -45,8 +49,9 @@ class SFTImpl:
         }
 
     def loss(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return sft_loss(logits, batch["input_ids"], batch["loss_mask"]), {}
+        ids, mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        logprobs = causal_lm_logprobs(model, ids, mask, loss_mask[:, 1:], pack=self.packing)
+        return sft_loss(logprobs, loss_mask), {}
 
     @torch.no_grad()
     def evaluate(self, model, batches) -> dict[str, float]:
@@ -77,9 +82,10 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     common.check_steps(stage, section, len(train))
 
     # 3. train on the Ray group; rank 0 exports and commits
+    impl = SFTImpl(section.strategy.packing)
     try:
         metrics = launcher.run_group(
-            section.strategy, SupervisedTrainer, SFTImpl(), st.context(), train, held_out, key=f"{stage}.strategy"
+            section.strategy, SupervisedTrainer, impl, st.context(), train, held_out, key=f"{stage}.strategy"
         )[0]
     finally:
         shutil.rmtree(st.work, ignore_errors=True)  # downloaded inputs and staging

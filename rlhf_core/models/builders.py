@@ -236,9 +236,15 @@ class ScalarHeadModel(nn.Module):
         self.backbone = getattr(hf_model, hf_model.base_model_prefix)
         self.head = score_head(hf_model)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids and mask -> (B, T) values."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """(B, T) ids and mask -> (B, T) values. Packed rows (``rlhf_core.algos.packing``) come without a mask and
+        with ``position_ids`` that restart at each sample."""
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
     @staticmethod

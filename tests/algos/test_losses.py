@@ -75,10 +75,10 @@ def test_token_logprobs_and_sft_loss_use_response_tokens_only():
     # Target of pos 0 is token 1: p = 1/2. Target of pos 1 is token 0: p = 3/(3+1) = 3/4.
     assert_close(token_logprobs(logits, input_ids), torch.tensor([[math.log(0.5), math.log(0.75)]]))
     # Only the last token (index 2) is a response token: loss = -ln(3/4) = 0.28768...
-    loss = sft_loss(logits, input_ids, torch.tensor([[0, 0, 1]]))
+    loss = sft_loss(token_logprobs(logits, input_ids), torch.tensor([[0, 0, 1]]))
     assert_close(loss, torch.tensor(-math.log(0.75)))
     # Both targets: -(ln 1/2 + ln 3/4) / 2 = (0.693147 + 0.287682) / 2 = 0.490415
-    loss_all = sft_loss(logits, input_ids, torch.tensor([[1, 1, 1]]))
+    loss_all = sft_loss(token_logprobs(logits, input_ids), torch.tensor([[1, 1, 1]]))
     assert loss_all.item() == pytest.approx(0.490415, abs=1e-6)
 
 

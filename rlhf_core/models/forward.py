@@ -1,0 +1,120 @@
+"""The forwards every stage and PPO role runs: without padding (``rlhf_core.algos.packing``) and, for causal LMs,
+with log-probs of the chosen tokens only, chunked (``rlhf_core.algos.losses.chunked_token_logprobs``).
+
+``model`` is a Hugging Face model, a :class:`~rlhf_core.models.builders.ScalarHeadModel`, or a DeepSpeed engine
+around one (called as the engine, so that ZeRO-3 gathers the partitions as usual). Inputs and outputs keep the
+padded (B, T) layout; the packing happens inside.
+
+Causal LMs whose forward is ``lm_head(final hidden states)`` (the families in ``HIDDEN_PATH_MODEL_TYPES``) skip the
+full logits: the forward is asked for no logits at all (``logits_to_keep`` = no position), the final hidden states
+are caught on their way out of the base model, and the LM head runs on the scored positions only, a chunk at a
+time. Other families (logit soft-capping or scaling in the forward, e.g. Gemma 2, Cohere, Granite) take their logits
+from the forward and are scored a chunk at a time from there.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf_core.algos.losses import LOGPROB_CHUNK_ELEMENTS, chunked_token_logprobs, logprob_chunk_size
+from rlhf_core.algos.packing import Packing, plan_packing
+
+# Families whose causal-LM forward computes exactly ``logits = lm_head(last_hidden_state)``.
+HIDDEN_PATH_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "deepseek_v3"}
+)
+_NO_POSITION = torch.zeros(0, dtype=torch.long)
+
+
+def unwrap(model: Any) -> nn.Module:
+    """The module inside a DeepSpeed engine (or the model itself)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def packing_for(model: nn.Module, attention_mask: torch.Tensor) -> Packing:
+    """The packing of a batch for ``model``: one row for flash-attention (its varlen kernel's cost is per sample),
+    else rows no wider than the longest sample (dense attention's cost grows with a row's width squared)."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "hf_model", None), "config", None)
+    flash = getattr(config, "_attn_implementation", None) == "flash_attention_2"
+    return plan_packing(attention_mask, max_tokens=int(attention_mask.sum()) if flash else None)
+
+
+def uses_hidden_path(hf: nn.Module) -> bool:
+    """True when ``hf``'s logits are its LM head over the final hidden states and its forward takes
+    ``logits_to_keep``: then :func:`causal_lm_logprobs` never asks it for the full logits."""
+    model_type = getattr(getattr(hf, "config", None), "model_type", None)
+    return (
+        model_type in HIDDEN_PATH_MODEL_TYPES
+        and hf.get_output_embeddings() is not None
+        and "logits_to_keep" in inspect.signature(hf.forward).parameters
+    )
+
+
+def _final_hidden(model: Any, hf: nn.Module, **inputs: Any) -> torch.Tensor:
+    """The base model's last hidden state of a forward of ``model`` that computes no logits."""
+    caught: list[torch.Tensor] = []
+
+    def catch(_module: nn.Module, _args: Any, output: Any) -> None:
+        caught.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = hf.base_model.register_forward_hook(catch)
+    try:
+        model(**inputs, logits_to_keep=_NO_POSITION.to(inputs["input_ids"].device), use_cache=False)
+    finally:
+        handle.remove()
+    return caught[-1]
+
+
+def causal_lm_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, score_mask: torch.Tensor, *,
+    temperature: float = 1.0, pack: bool = True, chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
+) -> torch.Tensor:  # fmt: skip
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) where ``score_mask[:, t]`` is 1, 0 elsewhere.
+
+    Args:
+        model: a causal LM (or a DeepSpeed engine around one).
+        input_ids: (B, T); attention_mask: (B, T), 1 on real tokens.
+        score_mask: (B, T-1), 1 where the next token is scored (``action_mask``, SFT's ``loss_mask[:, 1:]``); the
+            scored tokens must be real.
+        temperature: > 0; log-probs of the logits divided by it.
+        pack: remove the padding (packed rows with restarting ``position_ids``) instead of masking it.
+        chunk_elements: the logits of one chunk of scored positions hold at most this many elements
+            (positions x vocabulary; at least one position).
+    Returns:
+        (B, T-1) float32.
+    """
+    hf = unwrap(model)
+    b, t = score_mask.bool().nonzero(as_tuple=True)
+    targets = input_ids[b, t + 1]
+    if pack:
+        packing = packing_for(hf, attention_mask)
+        inputs = {"input_ids": packing.pack(input_ids), "position_ids": packing.position_ids}
+        rows, cols = packing.locate(b, t)
+    else:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        rows, cols = b, t
+    if uses_hidden_path(hf):
+        head = hf.get_output_embeddings()
+        hidden = _final_hidden(model, hf, **inputs)[rows, cols]
+        chunk = logprob_chunk_size(head.out_features, chunk_elements)
+        chosen = chunked_token_logprobs(hidden, targets, head, temperature, chunk)
+    else:
+        logits = model(**inputs, use_cache=False).logits[rows, cols]
+        chunk = logprob_chunk_size(logits.size(-1), chunk_elements)
+        chosen = chunked_token_logprobs(logits, targets, nn.Identity(), temperature, chunk)
+    out = torch.zeros(score_mask.shape, dtype=torch.float32, device=chosen.device)
+    out[b, t] = chosen
+    return out
+
+
+def scalar_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pack: bool = True):
+    """(B, T) per-token values of a ScalarHeadModel (or an engine around one); 0 on padding when packed."""
+    if not pack:
+        return model(input_ids, attention_mask)
+    packing = packing_for(unwrap(model), attention_mask)
+    return packing.unpack(model(packing.pack(input_ids), None, packing.position_ids))
