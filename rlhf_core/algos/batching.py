@@ -37,14 +37,14 @@ def make_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id:
         pad_id: id written on the padding.
     Returns:
         a :class:`SequenceBatch`: ``input_ids`` (B, T) long, right-padded with ``pad_id``, T = the longest
-        prompt + response; ``attention_mask`` (B, T) long; ``action_mask`` (B, T-1) long, 1 at position t when
-        token t+1 is a response token.
+        prompt + response; ``attention_mask`` (B, T) bool; ``action_mask`` (B, T-1) bool, True at position t when
+        token t+1 is a response token (bool: a mask travels to the Ray workers as one byte per position).
     """
     rows = [p + r for p, r in zip(prompts, responses)]
     width = max(len(x) for x in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    action_mask = torch.zeros((len(rows), width - 1), dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    action_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, : len(p) + len(r)] = 1

@@ -64,12 +64,13 @@ class TensorBatch:
         return [self._map(lambda v, lo=lo: v[lo : lo + size]) for lo in range(0, self.size, size)]
 
     def shard(self, world_size: int) -> list[Self]:
-        """``world_size`` equal contiguous shards of B / world_size rows; B must divide evenly."""
+        """``world_size`` equal contiguous shards of B / world_size rows; B must divide evenly. Each shard owns a
+        compact copy of its rows: a shard goes to a Ray worker, and a view would carry the whole batch's storage."""
         n = self.size
         assert world_size >= 1 and n % world_size == 0, (
             f"{type(self).__name__} of {n} rows does not shard evenly over {world_size} ranks"
         )
-        return self.split(n // world_size)
+        return [part._map(torch.Tensor.clone) for part in self.split(n // world_size)]
 
     def select_rows(self, index: torch.Tensor) -> Self:
         """The rows ``index`` (a (K,) long tensor, or a (B,) bool mask) of every field, in that order."""

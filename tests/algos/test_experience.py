@@ -82,3 +82,21 @@ def test_batches_refuse_mismatched_shapes():
         Experience(**{**exp.tensors(), "values": torch.zeros(4, 3)})
     with pytest.raises(ValueError, match="action_mask"):
         SequenceBatch(input_ids=torch.zeros(2, 3), attention_mask=torch.zeros(2, 3), action_mask=torch.zeros(2, 3))
+
+
+def test_a_shard_travels_without_the_rest_of_the_batch():
+    """What a Ray worker receives is the pickled shard (Ray pickles torch tensors with their storage): 10 rows of a
+    1000-row batch, not the whole batch a view would drag along."""
+    import pickle
+
+    from rlhf_core.algos.batching import make_sequences
+
+    seq = make_sequences([[1] * 500] * 1000, [[2] * 500] * 1000, 0)
+    assert seq.attention_mask.dtype == torch.bool and seq.action_mask.dtype == torch.bool
+    shard = seq.shard(100)[3]
+    assert torch.equal(shard.input_ids, seq.input_ids[30:40])
+    # 10 x 1000 ids x 8 bytes + 10 x (1000 + 999) mask bytes = 99,990 bytes of data.
+    size = len(pickle.dumps(shard))
+    assert 99_990 <= size < 110_000, size
+    # The view of the same rows pickles the whole batch: 1000 x 1000 x 8 + masks, about 10 MB.
+    assert len(pickle.dumps(seq.split(10)[3])) > 9_000_000
