@@ -11,7 +11,7 @@ drift of a shared machine; one warm-up step per side is not timed. The two sides
 within ``--loss-tol`` (1e-4), or the benchmark fails. Throughput counts real tokens (not padding) per second of
 forward + backward + optimizer step. The last line is the summary:
 
-    packing: speedup=<packed tok/s / padded tok/s> packed_tok_s=<..> padded_tok_s=<..> padding=<share> max_loss_diff=<..>
+    packing: speedup=<packed / padded tok/s> packed_tok_s=<..> padded_tok_s=<..> padding=<share> max_loss_diff=<..>
 """
 
 from __future__ import annotations
