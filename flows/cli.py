@@ -4,6 +4,8 @@
     rlhf resume RUN_NAME [--run-uri URI]                                 rerun a run with its saved parameters
     rlhf stage NAME PRESET [key=value ...] [--run-name NAME]             one stage instance (its inputs must exist)
 
+``--shared-ray`` (run, stage): one Ray for the run's stage jobs, started by the flow (``shared_ray``).
+
 Without PREFECT_API_URL it uses Prefect's temporary local server; with it, the runs appear on that server.
 Progress is the flow's log on the terminal; the summary is printed at the end.
 """
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--run-uri", default=None, help="where artifacts go (default runs/<run name>)")
     for p in (run_p, stage_p):
         p.add_argument("--run-name", default=None, help="default: the preset's name")
+        p.add_argument("--shared-ray", action="store_true", help="one Ray for the run's stage jobs (shared_ray)")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             params = params.model_copy(update={"run_uri": args.run_uri or params.run_uri})
         else:
             args.run_name = args.run_name or Path(args.preset).stem
-            params = _params(args, **({"stages": [args.stage]} if args.command == "stage" else {}))
+            extra = {"stages": [args.stage]} if args.command == "stage" else {}
+            params = _params(args, shared_ray=args.shared_ray, **extra)
         summary = rlhf_pipeline(params)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

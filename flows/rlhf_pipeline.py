@@ -13,6 +13,7 @@ checkpoint. Each run ends with a markdown summary artifact and ``<run_uri>/run_s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -25,7 +26,7 @@ from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from pydantic import BaseModel, Field
 
 from rlhf_core.config import ConfigError, PipelineConfig, load_config, to_yaml
-from tasks._launch import ROOT, kill_all_jobs
+from tasks._launch import ROOT, kill_all_jobs, shared_ray
 from tasks.stages import RESULTS, RunSpec, existing_refs, open_store, stage_task
 
 PRESETS = ROOT / "deployments" / "configs"
@@ -44,6 +45,10 @@ class PipelineParams(BaseModel):
     )
     stages: list[str] | None = Field(None, description="Run only these stage instances (their inputs must exist).")
     task_retries: int = Field(2, ge=0, description="Retries of a failed stage (each resumes from its checkpoint).")
+    shared_ray: bool = Field(False, description="One Ray for the run: the flow starts a local Ray head and every "
+                             "stage job joins it instead of starting its own Ray (seconds per stage; the workers are "
+                             "then the head's processes, not the job's). Ignored when RAY_ADDRESS is set.",
+                             )  # fmt: skip
 
 
 def preset_path(preset: str) -> Path:
@@ -117,24 +122,27 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B
     refs: dict[str, dict] = existing_refs(cfg, [s for s in order if s not in wanted]) if params.stages else {}
     rows: list[dict] = []
     failure: BaseException | None = None
-    for stage in wanted:
-        started = time.time()
-        task = stage_task(stage, cfg.kind(stage), storage, params.task_retries)
-        state = task(run, stage, dict(refs), return_state=True)
-        row = {
-            "stage": stage,
-            "kind": cfg.kind(stage),
-            "state": state.name,
-            "duration_s": round(time.time() - started, 1),
-        }
-        if state.is_completed():
-            refs[stage] = state.result()
-            row.update(uri=refs[stage]["uri"], metrics=_key_metrics(refs[stage]["metrics"]))
-        rows.append(row)
-        logger.info(f"{stage}: {state.name} in {row['duration_s']} s")
-        if not state.is_completed():
-            failure = state.result(raise_on_failure=False)
-            break
+    with shared_ray(cfg, wanted) if params.shared_ray else contextlib.nullcontext() as address:
+        if address:
+            logger.info(f"the stage jobs join the run's Ray at {address}")
+        for stage in wanted:
+            started = time.time()
+            task = stage_task(stage, cfg.kind(stage), storage, params.task_retries)
+            state = task(run, stage, dict(refs), return_state=True)
+            row = {
+                "stage": stage,
+                "kind": cfg.kind(stage),
+                "state": state.name,
+                "duration_s": round(time.time() - started, 1),
+            }
+            if state.is_completed():
+                refs[stage] = state.result()
+                row.update(uri=refs[stage]["uri"], metrics=_key_metrics(refs[stage]["metrics"]))
+            rows.append(row)
+            logger.info(f"{stage}: {state.name} in {row['duration_s']} s")
+            if not state.is_completed():
+                failure = state.result(raise_on_failure=False)
+                break
     summary = {"run_name": params.run_name, "run_uri": run_uri, "stages": rows,
                "state": "Failed" if failure else "Completed"}  # fmt: skip
     store.write_json("run_summary.json", summary)

@@ -9,28 +9,36 @@ On a timeout, a failure of this process, cancellation (Prefect raises in the flo
 the whole process tree is stopped: SIGTERM, then SIGKILL after a grace period, found through the process tree
 (psutil) and the job's process group, so Ray's GCS, raylet, workers and vLLM engines go too.
 Every launch is recorded under ``<run_uri>/_launches/``, which is how tests count them.
+
+``shared_ray``: one Ray for a flow run's jobs (the flow's ``shared_ray`` parameter), a local head that each job joins
+through ``RAY_ADDRESS`` instead of starting a Ray of its own; the head is stopped by pid when the run ends, and by
+the same hooks as the jobs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 
+from rlhf_core.config import PipelineConfig
 from rlhf_core.events import EVENTS_ENV, read_new
 from rlhf_core.storage import ObjectStore
 
 ROOT = Path(__file__).resolve().parent.parent
 _LIVE: dict[int, subprocess.Popen] = {}  # job pid -> process, for the cancellation and crash hooks
+_HEADS: dict[int, tuple[subprocess.Popen, Path]] = {}  # ray_head pid -> (process, temp dir), for the same hooks
 
 
 class StageJobError(RuntimeError):
@@ -70,10 +78,102 @@ def _signal(procs: list[psutil.Process], group: int, sig: int) -> None:
 
 
 def kill_all_jobs() -> None:
-    """Stop every job this process launched (Prefect on_cancellation / on_crashed hooks call it)."""
+    """Stop every job this process launched, and the Ray heads it started for them (Prefect on_cancellation /
+    on_crashed hooks call it)."""
     for pid in list(_LIVE):
         kill_tree(pid)
         _LIVE.pop(pid, None)
+    for pid in list(_HEADS):
+        _stop_head(pid)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One Ray for a flow run's stage jobs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The environment of a shared head and of the jobs that join it: Ray's token authentication off (a job would need
+# the head's token), loopback addresses.
+HEAD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@contextlib.contextmanager
+def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]:
+    """A one-node Ray cluster on this machine for the stage jobs of one run, its address yielded once it is up: a
+    ``ray start --head --block`` in a session of its own, on loopback, with its own temp dir and free ports (other
+    Rays on the machine are left alone), CPUs as a job's own local Ray would get (the machine's, at least
+    ``cpus``), GPUs detected. Stopped by pid when the context ends (never ``ray stop``, which stops every Ray of the
+    machine), and by ``kill_all_jobs``."""
+    temp = Path(tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    port = _free_port()
+    ports = [f"--{name}={_free_port()}" for name in ("dashboard-port", "ray-client-server-port",
+             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+             "metrics-export-port")]  # fmt: skip
+    n = int(-(-max(float(os.cpu_count() or 1), cpus or 1) // 1))
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}",
+           "--node-ip-address=127.0.0.1", f"--num-cpus={n}", "--include-dashboard=false", f"--temp-dir={temp}",
+           "--disable-usage-stats", *ports]  # fmt: skip
+    log = temp / "ray-start.log"
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, env={**os.environ, **HEAD_ENV}, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    _HEADS[proc.pid] = (proc, temp)
+    try:
+        deadline = time.time() + timeout_s
+        while "Ray runtime started" not in log.read_text():  # printed once GCS, raylet and agents are up
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the run's Ray head did not start ({' '.join(cmd)}):\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop_head(proc.pid)
+
+
+def _stop_head(pid: int) -> None:
+    """SIGTERM the head's session (its GCS, raylet and workers), then SIGKILL whatever of that cluster is left: the
+    processes whose command line names its temp dir."""
+    entry = _HEADS.pop(pid, None)
+    if entry is None:
+        return
+    proc, temp = entry
+    kill_tree(pid, grace_s=10)
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(str(temp) in part for part in p.info["cmdline"] or []):
+                p.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def shared_ray(cfg: PipelineConfig, stages: list[str]) -> Iterator[str | None]:
+    """One Ray for the stage jobs of a flow run: a ``ray_head`` sized for the largest of ``stages`` (the CPUs its
+    job would give its own local Ray), whose address every job launched inside gets (``RAY_ADDRESS``, so
+    ``launcher.init_ray`` connects instead of starting a Ray: seconds per stage). Yields the address; None, with
+    nothing started, when ``RAY_ADDRESS`` is set already (the jobs join that cluster) or no stage uses Ray."""
+    from rlhf_core.jobs.common import ray_cpus
+
+    cpus = [c for c in (ray_cpus(cfg.stage(name)) for name in stages) if c is not None]
+    if os.environ.get("RAY_ADDRESS") or not cpus:
+        yield None
+        return
+    with ray_head(max(cpus)) as address:
+        saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", *HEAD_ENV)}
+        os.environ.update(RAY_ADDRESS=address, **HEAD_ENV)  # launch_stage hands its environment to each job
+        try:
+            yield address
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def launch_stage(

@@ -22,6 +22,7 @@ from prefect.context import TaskRunContext
 
 from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config, stage_hash
 from rlhf_core.jobs.common import committed_ref, existing_output, open_store
+from rlhf_core.timing import phase_rows
 from tasks._launch import StageJobError, launch_stage
 
 RESULTS = "_prefect/results"  # under the run's location; flows.rlhf_pipeline.result_storage points there
@@ -89,6 +90,14 @@ def run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> dict:
     update_progress_artifact(progress, 100.0)
     rows = [{"metric": k, "value": v} for k, v in ref["metrics"].items()]
     create_table_artifact(rows, key=f"{key}-metrics", description=f"{stage} ({spec.kind}) metrics ({ref['uri']})")
+    phases = phase_rows(ref["metrics"])  # stages that time their steps (timing/<phase>_s_mean): one row per phase
+    if phases:
+        steps = int(ref["metrics"].get("timing/steps", 0))
+        create_table_artifact(
+            phases, key=f"{key}-timing",
+            description=f"{stage} ({spec.kind}): seconds per step phase, mean and total over {steps} steps, and the "
+            "share of the step (concurrent phases overlap)",
+        )  # fmt: skip
     return ref
 
 

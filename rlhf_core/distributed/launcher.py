@@ -1,9 +1,10 @@
 """Ray actor groups: one actor per device, joined into one ``torch.distributed`` group.
 
-A plain Python object (the trainer of a stage) lives inside a thin Ray shell. Rank 0 is created first and reports
-its address and a free port; every actor then gets ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/
-``LOCAL_RANK`` and an explicit thread count before torch is touched, so several workers on a small machine do not
-oversubscribe its cores. Ray is imported here and in the other ``rlhf_core.distributed`` modules only.
+A plain Python object (the trainer of a stage) lives inside a thin Ray shell. Every actor gets an explicit thread
+count before torch is touched, so several workers on a small machine do not oversubscribe its cores; rank 0 reports
+its address and a free port, and every rank then gets ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/
+``LOCAL_RANK`` before its object is built. Nothing in that sequence waits on the driver (see ``RayWorkerGroup``).
+Ray is imported here and in the other ``rlhf_core.distributed`` modules only.
 
 Calls are typed: the driver passes the hosted class's method object (``group.call(PolicyActor.export, ...)``), never
 a method name; the shell runs ``method(obj, *args, **kwargs)``. The driver checks the method and the arguments
@@ -16,7 +17,8 @@ from __future__ import annotations
 import inspect
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from rlhf_core import events
@@ -40,7 +42,8 @@ FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 def init_ray(min_cpus: float = 1) -> bool:
     """Connect to ``RAY_ADDRESS`` when set (an existing cluster), else start a local Ray. Returns True when this call
     connected or started Ray: the caller then ends with ``ray.shutdown()``, which stops a local Ray but only
-    disconnects from an existing cluster (its nodes and other jobs keep running)."""
+    disconnects from an existing cluster (its nodes and other jobs keep running). Within ``one_ray()`` the Ray this
+    call starts is that context's to stop: False."""
     import ray
 
     if ray.is_initialized():
@@ -50,11 +53,34 @@ def init_ray(min_cpus: float = 1) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env, log_to_driver=True)
     else:
-        cpus = max(float(os.cpu_count() or 1), min_cpus)
+        cpus = max(float(os.cpu_count() or 1), min_cpus, _one_ray["min_cpus"])
         # address="local": a new Ray for this job even when another one runs on the machine
         ray.init(address="local", num_cpus=int(-(-cpus // 1)), include_dashboard=False, runtime_env=env,
                  log_to_driver=True)  # fmt: skip
+    if _one_ray["active"]:
+        _one_ray["started"] = True
+        return False
     return True
+
+
+_one_ray: dict[str, Any] = {"active": False, "started": False, "min_cpus": 1.0}
+
+
+@contextmanager
+def one_ray(min_cpus: float = 1) -> Iterator[None]:
+    """One Ray for everything inside (the stages that ``rlhf_core.jobs.pipeline`` runs one after the other in its
+    process): the first ``init_ray`` starts it (or connects) as usual, and it stays up for the later ones instead
+    of being shut down by each caller (a local ``ray.init`` takes seconds); leaving the context shuts it down.
+    Nothing starts when nothing inside needs Ray. ``min_cpus``: the most any caller inside asks for (a local Ray
+    gets at least that many, as the largest stage would have given its own)."""
+    _one_ray.update(active=True, started=False, min_cpus=min_cpus)
+    try:
+        yield
+    finally:
+        started = _one_ray["started"]
+        _one_ray.update(active=False, started=False, min_cpus=1.0)
+        if started:
+            shutdown_ray()
 
 
 class _Shell:
@@ -81,10 +107,12 @@ class _Shell:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def set_env(self, env: dict[str, str]) -> None:
-        os.environ.update(env)
-
-    def construct(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    def construct(
+        self, master: tuple[str, int], env: dict[str, str], factory: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> None:
+        """Join the group's world (``master``: rank 0's address and port; Ray hands over the value of the ObjectRef
+        the driver passes) and build the hosted object."""
+        os.environ.update(env, MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         self.obj = factory(*args, **kwargs)
 
     def call(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -141,6 +169,10 @@ class RayWorkerGroup(Generic[T]):
 
     With ``placement`` (a placement group from ``colocation_group``) worker i is pinned to bundle i and takes
     ``share`` of that bundle's device, so that several roles share devices (OpenRLHF's colocation).
+
+    Making a group does not wait for it: the actors start, and each rank's environment and constructor are queued on
+    its actor behind rank 0's address, so that groups made one after the other (the PPO roles) and the engines start
+    together. The first call (or ``wait_started``) waits for every rank's constructor, and raises its error.
     """
 
     def __init__(
@@ -168,23 +200,27 @@ class RayWorkerGroup(Generic[T]):
                     placement_group=placement, placement_group_bundle_index=rank
                 )
             self.actors.append(remote_shell.options(**options).remote(base_env, cfg.threads_per_worker))
-        master_addr, master_port = ray.get(self.actors[0].address.remote())
-        ray.get(
-            [
-                actor.set_env.remote(
-                    {
-                        "MASTER_ADDR": master_addr,
-                        "MASTER_PORT": str(master_port),
-                        "RANK": str(rank),
-                        "LOCAL_RANK": "0" if gpus else str(rank),
-                        "WORLD_SIZE": str(cfg.num_workers),
-                    }
-                )
-                for rank, actor in enumerate(self.actors)
-            ]
-        )
-        ray.get([actor.construct.remote(factory, args, kwargs) for actor in self.actors])
         self.name = name
+        if not self.actors:
+            self._starting: list[Any] = []
+            return
+        master = self.actors[0].address.remote()  # an ObjectRef: each construct below runs once it is there
+        world = {"WORLD_SIZE": str(cfg.num_workers)}
+        self._starting = [
+            actor.construct.remote(
+                master, {**world, "RANK": str(rank), "LOCAL_RANK": "0" if gpus else str(rank)}, factory, args, kwargs
+            )
+            for rank, actor in enumerate(self.actors)
+        ]
+
+    def wait_started(self) -> None:
+        """Wait until every rank has built its object; a constructor's error is raised here (and again by every
+        later call: the group is unusable)."""
+        import ray
+
+        if self._starting:
+            ray.get(self._starting)
+            self._starting = []
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -197,6 +233,7 @@ class RayWorkerGroup(Generic[T]):
 
     def call_async(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[Ref[R]]:
         check_call(self.cls, method, args, kwargs)
+        self.wait_started()
         return [actor.call.remote(method, args, kwargs) for actor in self.actors]
 
     def call_each_async(
@@ -207,6 +244,7 @@ class RayWorkerGroup(Generic[T]):
             raise ValueError(f"{len(shards)} shards for the {len(self.actors)} workers of {self.cls.__qualname__}")
         if shards:
             check_call(self.cls, method, (shards[0], *args), kwargs)
+        self.wait_started()
         return [actor.call.remote(method, (shard, *args), kwargs) for actor, shard in zip(self.actors, shards)]
 
     def call_each(
@@ -221,7 +259,7 @@ class RayWorkerGroup(Generic[T]):
 
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.actors = []
+        self.actors, self._starting = [], []
 
 
 def colocation_group(bundles: int, cpus_per_bundle: float, device: str) -> Any:
@@ -323,3 +361,36 @@ def shutdown_ray() -> None:
     import ray
 
     ray.shutdown()
+
+
+def wait_timed(
+    groups: dict[str, list[Ref[Any]]], started: float | None = None
+) -> tuple[dict[str, list], dict[str, float]]:
+    """Results of concurrently dispatched groups of ObjectRefs ({name: refs}, each list in order) and, per group, the
+    seconds from ``started`` (a ``time.perf_counter()`` taken before the first dispatch; default: now) until its last
+    ref was ready. A group without refs counts 0.0; entries that are values already (an in-process stand-in group's
+    results) count as ready when this is called. A failed call raises when the results are read, after every group
+    has finished."""
+    import time
+
+    import ray
+
+    started = time.perf_counter() if started is None else started
+    owner = {ref: name for name, refs in groups.items() for ref in refs if isinstance(ref, ray.ObjectRef)}
+    left = {name: sum(isinstance(ref, ray.ObjectRef) for ref in refs) for name, refs in groups.items()}
+    now = time.perf_counter()
+    seconds = {name: now - started if refs and not left[name] else 0.0 for name, refs in groups.items()}
+    pending = list(owner)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        now = time.perf_counter()
+        for ref in ready:
+            name = owner[ref]
+            left[name] -= 1
+            if left[name] == 0:
+                seconds[name] = now - started
+    values = dict(zip(owner, ray.get(list(owner)))) if owner else {}
+    results = {
+        name: [values[ref] if isinstance(ref, ray.ObjectRef) else ref for ref in refs] for name, refs in groups.items()
+    }
+    return results, seconds

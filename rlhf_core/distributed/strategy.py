@@ -13,6 +13,7 @@ replica per worker, or a ZeRO-3 inference engine partitioned over the role's wor
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -93,6 +94,7 @@ class DeepSpeedStrategy:
         else:
             optimizer = torch.optim.AdamW(params, **kwargs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o, total_steps))
+        _import_muon_uncompiled()
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         return engine
 
@@ -144,9 +146,54 @@ def join_world() -> tuple[int, int]:
     where = device.current()
     if where.type == "cuda":
         torch.cuda.set_device(where)
+    _skip_shm_comm_op()  # before deepspeed.comm makes its backend, here or in deepspeed.initialize
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if where.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def _skip_shm_comm_op() -> None:
+    """Keep DeepSpeed's communication backend from loading its shared-memory all-reduce op: a C++ extension that
+    ``deepspeed.comm`` JIT-builds (or loads from TORCH_EXTENSIONS_DIR) in every worker on CPU, whose only user is
+    ``inference_all_reduce`` (tensor-parallel inference of injected kernels), which nothing here calls: ZeRO's
+    collectives go to torch.distributed either way, so the numbers are the same. Building it takes a fresh machine
+    about a minute per extension directory, and any change of its compile command (another venv path, another
+    compiler) rebuilds it in the next worker. ``deepspeed.ops.__compatible_ops__`` is the switch DeepSpeed itself
+    reads (``build_shm_op``): one dict per process, probed on first access, kept with edits."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer module with torch.compile switched off (``TORCHDYNAMO_DISABLE``), before
+    ``deepspeed.initialize``: ZeRO imports it in every trained worker (``is_zero_supported_optimizer`` adds the class
+    to its list, ZeRO-1/2's gradient reduction checks the optimizer against it), and its ``torch.compile``
+    decorators import all of torch._inductor, seconds of each worker's start-up. Decorated with compile off, its
+    kernels stay plain functions, which nothing here runs (the optimizers are AdamW and DeepSpeedCPUAdam); what ZeRO
+    reads, the class, is the same."""
+    import importlib
+    import sys
+
+    if MUON_MODULE in sys.modules:
+        return
+    saved = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(MUON_MODULE)
+    except ImportError:  # a DeepSpeed without Muon: nothing to import
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved
 
 
 def precision_dtype(precision: str) -> torch.dtype:

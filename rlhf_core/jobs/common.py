@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core import events, timing
-from rlhf_core.config import STAGE_PREFIX, ConfigError, PipelineConfig, load_config, stage_hash
+from rlhf_core.config import (
+    STAGE_PREFIX,
+    ConfigError,
+    PipelineConfig,
+    PPOConfig,
+    StrategyConfig,
+    load_config,
+    stage_hash,
+)
 from rlhf_core.data.sampler import total_steps
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.distributed.trainer import StageContext, newest_checkpoint
@@ -75,6 +83,20 @@ def main(kind: str, run: Callable[[PipelineConfig, str], CheckpointRef], argv: l
     print(f"[{stage}] done: {ref.uri} (step {ref.step}, config {ref.config_hash})")
     for key, value in ref.metrics.items():
         print(f"[{stage}]   {key}: {value}")
+
+
+def ray_cpus(section: Any) -> float | None:
+    """The CPUs a stage's Ray workers ask for (what its job passes to ``launcher.init_ray``); None for a kind that
+    runs without Ray (critic_init)."""
+    if isinstance(section, PPOConfig):
+        from rlhf_core.distributed.device import resolve_device
+        from rlhf_core.jobs.ppo import resource_demand
+
+        return resource_demand(section, resolve_device(section.actor_strategy.device))["CPU"]
+    strategy = getattr(section, "strategy", None)
+    if isinstance(strategy, StrategyConfig):  # sft, reward_model: launcher.run_group
+        return strategy.num_workers * strategy.cpus_per_worker
+    return None
 
 
 def open_store(cfg: PipelineConfig) -> ObjectStore:

@@ -1,9 +1,10 @@
 """Run a preset's stages in dependency order (tiny/demo: SFT -> reward model -> critic init -> critic warm-up -> PPO)
 in this process and print each result.
 
-This is the README's main job on the embedded default: a local Ray started by each stage, a local folder as the
-object store. Finished stages whose output is complete for the same config are not run again, and a stage that
-was interrupted resumes from its newest complete checkpoint. (The Prefect flow chains the same ``run`` functions.)
+This is the README's main job on the embedded default: one local Ray for all stages (started by the first stage
+that needs it, ``launcher.one_ray``), a local folder as the object store. Finished stages whose output is complete
+for the same config are not run again, and a stage that was interrupted resumes from its newest complete
+checkpoint. (The Prefect flow chains the same ``run`` functions.)
 
     python -m rlhf_core.jobs.pipeline --config deployments/configs/demo.yaml [key=value ...]
 """
@@ -18,6 +19,8 @@ from collections.abc import Callable
 
 from rlhf_core.config import STAGE_KINDS, ConfigError, PipelineConfig, load_config
 from rlhf_core.data.loading import DataError
+from rlhf_core.distributed.launcher import one_ray
+from rlhf_core.jobs.common import ray_cpus
 from rlhf_core.models.builders import ModelPathError
 from rlhf_core.storage import ArtifactError
 from rlhf_core.types import CheckpointRef
@@ -42,10 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         results = []
-        for name in cfg.order():
-            started = time.time()
-            ref = runner(cfg.kind(name))(cfg, name)
-            results.append((name, ref, time.time() - started))
+        cpus = [c for c in (ray_cpus(cfg.stage(name)) for name in cfg.order()) if c is not None]
+        # the stages share one Ray: started by the first that needs it, sized for the largest, stopped after the last
+        with one_ray(min_cpus=max(cpus, default=1)):
+            for name in cfg.order():
+                started = time.time()
+                ref = runner(cfg.kind(name))(cfg, name)
+                results.append((name, ref, time.time() - started))
     except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -16,6 +16,12 @@ are frozen. Each PPO step reads like its phases:
   6. logging      (and a ``step`` event, ``rlhf_core.events``) and, every ``save_steps``, a checkpoint of actor,
                   critic and controller state
 
+Every step logs its phases' wall seconds as ``timing/<phase>_s`` (``step_phases``; OpenRLHF's ``timing/*``):
+generation, experience (and each role's forward, ``experience_<role>``), advantages, train (``critic_train``,
+``actor_train``), weight_sync, checkpoint, and ``timing/step_s``, the whole step. They are in the step line, the
+``step`` event and ``metrics.json``'s history; the final metrics add each phase's mean and total over the steps
+(``timing/<phase>_s_mean``, ``timing/<phase>_s_total``, ``rlhf_core.timing.summarize``).
+
 No reference policy is built when ``algo.kl_coef`` = 0 and there is no ``algo.kl_target`` (no KL penalty).
 Roles are called through typed handles: ``group.call(PolicyActor.export, ...)``, never by method name.
 
@@ -71,6 +77,9 @@ from rlhf_core.storage import ObjectStore
 from rlhf_core.types import CheckpointRef
 
 KIND = "ppo"
+# The phases of a step that run one after the other (their timing/<phase>_s add up to at most timing/step_s); the
+# others in ``PPOController.step_phases`` run concurrently within experience and train.
+SEQUENTIAL_PHASES = ("offload_states", "generation", "experience", "advantages", "train", "weight_sync", "checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -328,7 +337,7 @@ class PPOController:
             self.st.sources["reward"], t.micro_rollout_batch_size, precision, tokenizer_path=p.reward.tokenizer,
             init_seed=p.reward.init_seed, trust_remote_code=p.reward.trust_remote_code,
             zero_stage=p.frozen_zero_stage, offload=p.frozen_offload,  # 3: one ZeRO-3 copy over the workers
-            placement=placement.get("critic"), share=share["critic"],
+            packing=p.actor_strategy.packing, placement=placement.get("critic"), share=share["critic"],
         )  # fmt: skip
         if needs_reference(p.algo):
             ref = p.reference or p.actor  # default: the actor's starting model, with the actor's model keys
@@ -337,7 +346,7 @@ class PPOController:
                 ReferencePolicy, self.st.sources["reference"], t.micro_rollout_batch_size, precision, ref.init_seed,
                 temperature=p.rollout.temperature, tokenizer_path=ref.tokenizer,
                 trust_remote_code=ref.trust_remote_code, zero_stage=p.frozen_zero_stage, offload=p.frozen_offload,
-                placement=placement.get("actor"), share=share["actor"],
+                packing=p.actor_strategy.packing, placement=placement.get("actor"), share=share["actor"],
             )  # fmt: skip
         launcher.wait(self.actor.call_async(PolicyActor.setup) + self.critic.call_async(CriticActor.setup))
         self.engines.wait_ready()
@@ -375,27 +384,37 @@ class PPOController:
             launcher.shutdown_ray()
 
     # -- phases -------------------------------------------------------------------------------------------------------
-    def experience(self, prompt_ids: list[list[int]], responses: list[list[int]]) -> Experience:
+    def experience(
+        self, prompt_ids: list[list[int]], responses: list[list[int]], timer: timing.PhaseTimer | None = None
+    ) -> Experience:
         """Sequences with old/reference log-probs, values and reward scores, each role on its own shards.
 
         The actor, reference and critic see the sampled tokens only; the reward model scores prompt + response with
         EOS appended to the responses cut at max_new_tokens (``ensure_eos``), so that every response is scored the
-        way the reward model was trained (at a final EOS) whether or not it stopped by itself."""
+        way the reward model was trained (at a final EOS) whether or not it stopped by itself. ``timer``: each role's
+        forward as ``experience_<role>``, its seconds from the dispatch of the first role to its last rank's result
+        (the roles run concurrently)."""
         assert self.actor is not None and self.critic is not None and self.reward is not None
         n = len(responses) // len(prompt_ids)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         seq = make_sequences(expanded, responses, self.pad_id)
         closed, truncated = ensure_eos(responses, self.eos_id)
         scored = make_sequences(expanded, closed, self.pad_id)
-        old = self.actor.call_each_async(PolicyActor.logprobs, seq.shard(len(self.actor)))
-        ref = None
+        started = time.perf_counter()
+        refs = {"actor": self.actor.call_each_async(PolicyActor.logprobs, seq.shard(len(self.actor)))}
         if self.reference is not None:
-            ref = self.reference.call_each_async(ReferencePolicy.logprobs, seq.shard(len(self.reference)))
-        values = self.critic.call_each_async(CriticActor.values, seq.shard(len(self.critic)))
-        scores = self.reward.call_each_async(RewardScorer.scores, scored.shard(len(self.reward)))
+            refs["reference"] = self.reference.call_each_async(
+                ReferencePolicy.logprobs, seq.shard(len(self.reference))
+            )
+        refs["critic"] = self.critic.call_each_async(CriticActor.values, seq.shard(len(self.critic)))
+        refs["reward"] = self.reward.call_each_async(RewardScorer.scores, scored.shard(len(self.reward)))
+        out, seconds = launcher.wait_timed(refs, started)
+        if timer is not None:
+            for role, s in seconds.items():
+                timer.add(f"experience_{role}", s)
         return Experience.from_sequences(
-            seq, old_logprobs=torch.cat(launcher.wait(old)), values=torch.cat(launcher.wait(values)),
-            scores=torch.cat(launcher.wait(scores)), ref_logprobs=torch.cat(launcher.wait(ref)) if ref else None,
+            seq, old_logprobs=torch.cat(out["actor"]), values=torch.cat(out["critic"]),
+            scores=torch.cat(out["reward"]), ref_logprobs=torch.cat(out["reference"]) if "reference" in out else None,
             truncated=truncated,
         )  # fmt: skip
 
@@ -434,14 +453,26 @@ class PPOController:
         }
         return exp, logs
 
-    def train(self, exp: Experience, step: int, actor_frozen: bool) -> dict[str, float]:
+    def train(
+        self, exp: Experience, step: int, actor_frozen: bool, timer: timing.PhaseTimer | None = None
+    ) -> dict[str, float]:
+        """The PPO epochs of critic and actor (the actor unless ``actor_frozen``), concurrently; rank 0's stats and
+        both learning rates. ``timer``: ``critic_train`` and ``actor_train``, each group's seconds from the first
+        dispatch to its last rank's result."""
         assert self.actor is not None and self.critic is not None
         exp = dataclasses.replace(exp, ref_logprobs=None)  # the trained roles do not read it
-        critic_refs = self.critic.call_each_async(CriticActor.fit, exp.shard(len(self.critic)), step)
+        started = time.perf_counter()
+        refs = {"critic_train": self.critic.call_each_async(CriticActor.fit, exp.shard(len(self.critic)), step)}
+        if not actor_frozen:
+            refs["actor_train"] = self.actor.call_each_async(PolicyActor.fit, exp.shard(len(self.actor)), step)
+        out, seconds = launcher.wait_timed(refs, started)
+        if timer is not None:
+            for name, s in seconds.items():
+                timer.add(name, s)
         stats: dict[str, float] = {}
         if not actor_frozen:
-            stats.update(self.actor.call_each(PolicyActor.fit, exp.shard(len(self.actor)), step)[0])
-        stats.update(launcher.wait(critic_refs)[0])
+            stats.update(out["actor_train"][0])
+        stats.update(out["critic_train"][0])
         # The learning rates after this step's optimizer steps (the scheduler has stepped).
         stats["actor_lr"] = self.actor.call(PolicyActor.lr)[0]
         stats["critic_lr"] = self.critic.call(CriticActor.lr)[0]
@@ -454,14 +485,18 @@ class PPOController:
         self.engines.wake_up(["weights"])  # sleeping engines take the weights first; the KV cache waits for a rollout
         return self.actor.call(PolicyActor.push_weights)[0]
 
-    def move_training_states(self, offload: bool) -> None:
+    def move_training_states(self, offload: bool, timer: timing.PhaseTimer | None = None) -> None:
         """``offload_states_during_rollout``: actor and critic optimizer states and gradients to host memory while
         the engines generate (``offload``), back before training (``TrainableRole.offload_states`` /
-        ``reload_states``; nothing moves on CPU). Their weights stay for the experience forwards."""
+        ``reload_states``; nothing moves on CPU). Their weights stay for the experience forwards. ``timer``: both
+        moves as ``offload_states``."""
         if self.p.offload_states_during_rollout:
             assert self.actor is not None and self.critic is not None
             method = TrainableRole.offload_states if offload else TrainableRole.reload_states
+            started = time.perf_counter()
             launcher.wait(self.actor.call_async(method) + self.critic.call_async(method))
+            if timer is not None:
+                timer.add("offload_states", time.perf_counter() - started)
 
     # -- evaluation ---------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -499,6 +534,16 @@ class PPOController:
         workers += [p.reference_workers] if self.reference is not None else []
         return math.lcm(*workers) * p.train.micro_rollout_batch_size
 
+    def step_phases(self) -> list[str]:
+        """The phases every step logs as ``timing/<phase>_s`` (0.0 when one did not run that step, e.g. the actor's
+        training and the weight sync while the actor is frozen), besides ``timing/step_s``. The top-level phases run
+        one after the other; ``experience_<role>`` run concurrently within ``experience`` and ``critic_train`` and
+        ``actor_train`` within ``train``, each timed from the first dispatch to its group's last result."""
+        roles = ["actor", *(["reference"] if self.reference is not None else []), "critic", "reward"]
+        phases = ["generation", "experience", *(f"experience_{r}" for r in roles), "advantages", "train"]
+        phases += ["critic_train", "actor_train", "weight_sync", "checkpoint"]
+        return (["offload_states"] if self.p.offload_states_during_rollout else []) + phases
+
     # -- weight-sync checks -------------------------------------------------------------------------------------------
     def probe_logprobs(self) -> tuple[list[float], list[float]]:
         """Log-probs of one fixed sequence from the first engine and from the actor (rank 0's copy), both of the raw
@@ -508,7 +553,8 @@ class PPOController:
         probe = self.prompts[0]["prompt_ids"] + self.tokenizer(text, add_special_tokens=False)["input_ids"]
         engine_lp = self.engines.sequence_logprobs(probe)
         rows = len(self.actor)
-        batch = make_sequences([probe] * rows, [[]] * rows, self.pad_id)
+        # every token after the first is scored (the actor's log-probs cover the action tokens)
+        batch = make_sequences([probe[:1]] * rows, [probe[1:]] * rows, self.pad_id)
         actor_lp = self.actor.call_each(PolicyActor.logprobs, batch.shard(rows), 1.0)[0][0].tolist()
         return engine_lp, actor_lp
 
@@ -559,7 +605,7 @@ class PPOController:
         startup_s = timing.since_job_start()
         print(f"[{stage}] first step {startup_s:.1f}s after the job started", flush=True)
         for step in range(state["step"], self.steps):
-            started = time.time()
+            timer = timing.PhaseTimer(self.step_phases())
             # 1. rollout: step k reads prompts [k*R, (k+1)*R) of the seeded prompt stream
             indices = global_batch(len(self.prompts), t.rollout_batch_size, step, t.seed)
             prompt_ids = [self.prompts[i]["prompt_ids"] for i in indices]
@@ -567,38 +613,49 @@ class PPOController:
                 n=p.rollout.n_samples_per_prompt, temperature=p.rollout.temperature, top_p=p.rollout.top_p,
                 max_new_tokens=p.rollout.max_new_tokens, seed=t.seed * 100_003 + step,
             )  # fmt: skip
-            self.move_training_states(offload=True)
-            responses, engine_logprobs = self.engines.generate_with_logprobs(prompt_ids, sampling)
-            self.engines.sleep()  # rollout.enable_sleep: the engines' GPU memory is the trainers' until the next sync
+            self.move_training_states(offload=True, timer=timer)
+            with timer.phase("generation"):
+                responses, engine_logprobs = self.engines.generate_with_logprobs(prompt_ids, sampling)
+                self.engines.sleep()  # rollout.enable_sleep: the engines' GPU memory is the trainers' until the sync
             # 2. experience
-            exp = self.experience(prompt_ids, responses)
+            with timer.phase("experience"):
+                exp = self.experience(prompt_ids, responses, timer)
             # 3. rewards (normalised RM score + KL penalty) and GAE
-            exp, logs = self.advantages(exp)
-            # The engines were synced after the last update: they sampled from the policy the actor now scores.
-            logs["rollout_logprob_max_diff"] = rollout_logprob_gap(exp, engine_logprobs)
+            with timer.phase("advantages"):
+                exp, logs = self.advantages(exp)
+                # The engines were synced after the last update: they sampled from the policy the actor now scores.
+                logs["rollout_logprob_max_diff"] = rollout_logprob_gap(exp, engine_logprobs)
             # 4. PPO epochs: the critic always trains, the actor after the frozen warm-up steps
             actor_frozen = not self.train_actor or step < t.freeze_actor_steps
-            self.move_training_states(offload=False)
-            logs.update(self.train(exp, step, actor_frozen))
+            self.move_training_states(offload=False, timer=timer)
+            with timer.phase("train"):
+                logs.update(self.train(exp, step, actor_frozen, timer))
             # 5. weight sync to the engines
             if not actor_frozen:
-                sync = self.push_weights()
+                with timer.phase("weight_sync"):
+                    sync = self.push_weights()
                 logs.update(sync)
                 logs["sync_s"] = sync["weight_sync_s"]
             self.kl_ctl.update(logs["kl_token_mean"], len(responses))
             # 6. logging and checkpoints
             state["step"], state["consumed_prompts"] = step + 1, (step + 1) * t.rollout_batch_size
             state["episode"] = state["consumed_prompts"] // len(self.prompts)
-            state["history"].append({"step": step + 1, "prompts": indices, "actor_frozen": actor_frozen, **logs})
+            entry = {"step": step + 1, "prompts": indices, "actor_frozen": actor_frozen, **logs}
+            state["history"].append(entry)
+            checkpoint = t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < self.steps
+            if checkpoint:
+                entry.update(timer.as_logs())  # the checkpoint's own copy: this step's timing so far
+                with timer.phase("checkpoint"):
+                    self.save_checkpoint(state)
+            step_timing = timer.as_logs()
+            logs.update(step_timing)
+            entry.update(step_timing)
             if (step + 1) % t.log_steps == 0 or step + 1 == self.steps:
-                print(
-                    f"[{stage}] step {step + 1}/{self.steps} {_fmt(logs)} ({time.time() - started:.1f}s)", flush=True
-                )
+                seconds = step_timing[timing.STEP_KEY]
+                print(f"[{stage}] step {step + 1}/{self.steps} {_fmt(logs)} ({seconds:.1f}s)", flush=True)
                 events.step(stage, step + 1, self.steps, logs)
-            if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < self.steps:
-                self.save_checkpoint(state)
-                if fail_after is not None and step + 1 >= fail_after:
-                    raise RuntimeError(f"injected failure after checkpoint at step {step + 1} (RLHF_FAIL_AFTER_STEP)")
+            if checkpoint and fail_after is not None and step + 1 >= fail_after:
+                raise RuntimeError(f"injected failure after checkpoint at step {step + 1} (RLHF_FAIL_AFTER_STEP)")
 
         after = self.evaluate()
         print(f"[{stage}] after: {_fmt(after)}", flush=True)
@@ -615,6 +672,8 @@ class PPOController:
         last = state["history"][-1] if state["history"] else {}
         kept = ("kl", "kl_token_mean", "rm_score", "policy_loss", "critic_loss")
         metrics.update({k: last[k] for k in kept if k in last})
+        # Seconds per phase of a step, mean and total over the steps (timing/<phase>_s_mean, _total; timing/steps).
+        metrics.update(timing.summarize(state["history"]))
         self.history = state["history"]
         return metrics
 

@@ -13,6 +13,7 @@ from prefect.states import Cancelling
 
 from deployments.deploy import deploy
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
+from rlhf_core.jobs.ppo import SEQUENTIAL_PHASES
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +32,10 @@ def states(summary: dict) -> dict[str, str]:
 
 
 STAGES = ["sft", "reward_model", "critic_init", "critic_warmup", "ppo"]
+# The tiny preset's PPO step phases (it has a KL penalty: a reference policy), besides the step itself.
+ROLES = ("actor", "reference", "critic", "reward")
+PPO_PHASES = ["generation", "experience", *(f"experience_{r}" for r in ROLES), "advantages", "train", "critic_train",
+              "actor_train", "weight_sync", "checkpoint"]  # fmt: skip
 
 
 def test_deployed_pipeline_runs_on_a_process_worker(prefect_server, work_pool, tmp_path):
@@ -44,6 +49,22 @@ def test_deployed_pipeline_runs_on_a_process_worker(prefect_server, work_pool, t
     assert states(summary) == dict.fromkeys(STAGES, "Completed")
     assert launches(run_dir) == STAGES
     assert "run_uri" in (run_dir / "config.yaml").read_text()
+    # Per-phase timing of every PPO step in metrics.json: each phase every step, the one-after-the-other phases
+    # within the step, the concurrent ones within theirs, and each phase's mean and total in the final metrics.
+    ppo_out = json.loads((run_dir / "ppo" / "metrics.json").read_text())
+    phases = [*PPO_PHASES, "step"]
+    for h in ppo_out["history"]:
+        assert {f"timing/{p}_s" for p in phases} <= h.keys(), sorted(h)
+        assert sum(h.get(f"timing/{p}_s", 0.0) for p in SEQUENTIAL_PHASES) <= h["timing/step_s"]
+        assert max(h[f"timing/experience_{r}_s"] for r in ROLES) <= h["timing/experience_s"]
+        assert max(h["timing/actor_train_s"], h["timing/critic_train_s"]) <= h["timing/train_s"]
+        assert min(h[f"timing/{p}_s"] for p in ("generation", "actor_train", "critic_train", "weight_sync")) > 0
+    final = ppo_out["final"]
+    assert final["timing/steps"] == len(ppo_out["history"]) == 4
+    for p in phases:
+        values = [h[f"timing/{p}_s"] for h in ppo_out["history"]]
+        assert final[f"timing/{p}_s_total"] == pytest.approx(sum(values))
+        assert final[f"timing/{p}_s_mean"] == pytest.approx(sum(values) / 4)
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
@@ -51,9 +72,16 @@ def test_deployed_pipeline_runs_on_a_process_worker(prefect_server, work_pool, t
         )
         by_key = {a.key: a for a in artifacts}
         for key in ("run-summary", "resolved-config", "sft-metrics", "reward-model-metrics", "ppo-metrics",
-                    "sft-progress", "ppo-progress"):  # fmt: skip
+                    "sft-progress", "ppo-progress", "ppo-timing", "critic-warmup-timing"):  # fmt: skip
             assert key in by_key, sorted(by_key)
         assert by_key["sft-progress"].data == 100.0
+        # PPO's timing summary in its metrics table, and one row per phase in its timing table
+        assert "timing/generation_s_mean" in str(by_key["ppo-metrics"].data)
+        timing_rows = by_key["ppo-timing"].data
+        timing_rows = json.loads(timing_rows) if isinstance(timing_rows, str) else timing_rows
+        assert [row["phase"] for row in timing_rows][-1] == "step"
+        assert {row["phase"] for row in timing_rows} == set(phases)
+        assert timing_rows[-1]["mean_s"] == pytest.approx(final["timing/step_s_mean"], abs=1e-3)
         assert "| ppo | Completed |" in by_key["run-summary"].data
         deployment = client.read_deployment_by_name("rlhf-pipeline/tiny-nightly")
         assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhf_core import timing
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.ppo import make_kl_controller
@@ -55,8 +56,11 @@ def test_truncated_responses_are_scored_with_eos_and_penalised_before_the_clip(c
     eos = controller.eos_id
     prompts = [[5, 6, 7], [8, 9]]
     responses = [[20, 21, 22, 23], [24, 25, 26, 27, 28, 29], [30, 31, eos], [32, eos]]  # 2 per prompt: 2 cut
-    exp = controller.experience(prompts, responses)
+    timer = timing.PhaseTimer()
+    exp = controller.experience(prompts, responses, timer)
     expanded = [p for p in prompts for _ in range(2)]
+    # each role's forward is timed (in-process stand-ins: their results are ready at dispatch)
+    assert set(timer.seconds) == {f"experience_{r}" for r in ("actor", "reference", "critic", "reward")}
 
     # actor, critic and reference see the sampled tokens only
     sampled = make_sequences(expanded, responses, controller.pad_id)

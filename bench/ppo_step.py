@@ -1,0 +1,75 @@
+"""Seconds per phase of a PPO step at 24M, and generated tokens/s, against a baseline revision, in one run.
+
+    python -m bench.ppo_step [--steps 3] [--baseline-rev d3d2d8d | --no-baseline] [--model builtin:medium]
+
+The size (bench._ppo_run): builtin:medium (24M) actor, reference, critic and reward model, 16 prompts, 64 new
+tokens, 4 PPO epochs, separate critic, fp32. Each version runs the ppo stage as its real job
+(``python -m rlhf_core.jobs.ppo``), one after the other: first the baseline (a ``git worktree`` of the revision at
+/tmp/bench-base-<rev>, reused when there), then this checkout. Step 1 is the warm-up; the numbers are means over
+steps 2 and on. Generated tokens/s: generated tokens (``response_len`` x rows) per second of the whole step. The
+phases come from this checkout's ``timing/<phase>_s`` (the baseline has none: only its step seconds, from its step
+lines). The last line is the summary:
+
+    ppo_step: speedup=<x> gen_tok_s=<..> base_gen_tok_s=<..> step_s=<..> base_step_s=<..> <phase>_s=<..> ...
+
+(``speedup``: this checkout's generated tokens/s over the baseline's; without a baseline the line starts at
+``gen_tok_s``.) On a shared machine the load drifts between the two runs: compare runs made at a quiet time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from bench import _ppo_run
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _ppo_run.add_size_args(parser)
+    parser.add_argument("--baseline-rev", default=_ppo_run.BASELINE_REV, help="the revision to compare against")
+    parser.add_argument("--no-baseline", action="store_true", help="run this checkout only")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+
+    base = None
+    if not args.no_baseline:
+        tree = _ppo_run.baseline_tree(args.baseline_rev)
+        base = _ppo_run.run_ppo(args, f"base-{args.baseline_rev}", tree)
+    new = _ppo_run.run_ppo(args, "new")
+
+    f = _ppo_run.fmt
+    phases = new.phases()
+    for run in (base, new):
+        if run is None:
+            continue
+        measured = ", ".join(str(s.step) for s in run.measured)
+        print(f"[{run.label}] start-up {run.startup_s:.1f} s, step {run.step_s:.2f} s (steps {measured}), "
+              f"{run.measured[0].rows} rows x {run.mean('response_len'):.1f} tokens, {run.gen_tok_s:.1f} generated "
+              f"tokens/s, job {run.wall_s:.0f} s")  # fmt: skip
+    if phases:
+        step = phases["step"]
+        for name, seconds in phases.items():
+            print(f"[new] {name:<22} {seconds:8.3f} s  {100 * seconds / step:5.1f} %")
+    generation = phases.get("generation")
+    fields = {"gen_tok_s": new.gen_tok_s}
+    if base is not None:
+        fields = {"speedup": new.gen_tok_s / base.gen_tok_s, **fields, "base_gen_tok_s": base.gen_tok_s}
+    fields["step_s"] = new.step_s
+    if base is not None:
+        fields["base_step_s"] = base.step_s
+    fields.update({f"{name}_s": s for name, s in phases.items() if name != "step"})
+    if generation:  # the engines' own rate: generated tokens per second of the generation phase
+        fields["generation_tok_s"] = sum(s.tokens for s in new.measured) / (generation * len(new.measured))
+    fields["startup_s"] = new.startup_s
+    if base is not None:
+        fields["base_startup_s"] = base.startup_s
+    print("ppo_step: " + " ".join(f"{k}={f(v)}" for k, v in fields.items()))
+
+
+if __name__ == "__main__":
+    main()

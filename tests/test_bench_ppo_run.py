@@ -1,0 +1,43 @@
+"""bench._ppo_run, without running a job: the overrides resolve to the benchmark's size on the tiny preset, the step
+line both code versions print is parsed, and the steady-state numbers leave out the warm-up step."""
+
+import argparse
+
+import pytest
+
+from bench import _ppo_run
+from rlhf_core.config import load_config
+
+
+def args_of(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    _ppo_run.add_size_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_overrides_give_the_benchmark_size():
+    args = args_of("--steps", "5", "--set", "ppo.rollout.top_p=0.9")
+    p = load_config(str(_ppo_run.ROOT / _ppo_run.PRESET), _ppo_run.overrides(args)).stage("ppo")
+    assert {p.actor.name_or_path, p.critic.name_or_path, p.reward.name_or_path} == {"builtin:medium"}
+    assert (p.train.rollout_batch_size, p.rollout.max_new_tokens, p.algo.ppo_epochs) == (16, 64, 4)
+    assert (p.actor_strategy.precision, p.critic_strategy.precision) == ("fp32", "fp32")
+    assert not (p.colocate_all or p.colocate_actor_ref or p.colocate_critic_reward)  # a separate critic
+    assert (p.train.max_steps, p.train.save_steps, p.train.eval_prompts, p.rollout.top_p) == (5, 0, 0, 0.9)
+    assert _ppo_run.samples_per_prompt(args) == p.rollout.n_samples_per_prompt
+    assert _ppo_run.samples_per_prompt(args_of("--samples-per-prompt", "4")) == 4
+
+
+def test_step_line_and_steady_state():
+    m = _ppo_run.STEP_LINE.match("[ppo] step 2/3 reward=0.1000 kl=0.0010 timing/step_s=14.2345 (14.2s)\n")
+    assert m is not None and (m.group(1), m.group(2), m.group(3)) == ("2", "3", "14.2")
+    timing = {"timing/train_s": 2.0, "timing/generation_s": 1.0, "timing/step_s": 4.0}
+    steps = [
+        _ppo_run.Step(1, 40.0, 32, 320.0, dict(timing), {"response_len": 10.0, **timing}),
+        _ppo_run.Step(2, 4.0, 32, 640.0, dict(timing), {"response_len": 20.0, **timing}),
+        _ppo_run.Step(3, 4.0, 32, 640.0, dict(timing), {"response_len": 20.0, **timing}),
+    ]
+    run = _ppo_run.Run("new", steps, 30.0, 100.0, {})
+    assert [s.step for s in run.measured] == [2, 3]  # step 1, the warm-up, left out
+    assert run.step_s == 4.0 and run.gen_tok_s == pytest.approx(160.0) and run.mean("response_len") == 20.0
+    assert list(run.phases()) == ["generation", "train", "step"]  # the step's order, not the keys' order
+    assert _ppo_run.Run("one", steps[:1], 30.0, 50.0, {}).measured == steps[:1]

@@ -1,0 +1,67 @@
+"""One Ray for a flow run's stage jobs (``tasks._launch.shared_ray``): a local head that the jobs join through
+RAY_ADDRESS, stopped by pid afterwards, nothing started when RAY_ADDRESS is set or no stage uses Ray."""
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from rlhf_core.config import load_config
+from rlhf_core.jobs.common import ray_cpus
+from tasks._launch import _HEADS, HEAD_ENV, shared_ray
+from tests.conftest import ROOT, TINY
+
+JOB = """
+import os, psutil, ray
+from rlhf_core.distributed import launcher
+assert launcher.init_ray(min_cpus=1) is True  # connected: the caller disconnects at the end
+print("cpus", ray.cluster_resources()["CPU"])
+print("gcs", ray.get_runtime_context().gcs_address)
+print("children", len(psutil.Process().children(recursive=True)))  # no GCS or raylet of its own
+launcher.shutdown_ray()
+"""
+
+
+def _cluster_pids(temp: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(temp in part for part in p.info["cmdline"] or []):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_stage_jobs_join_the_runs_ray_which_is_stopped_after(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_config(TINY, ["ppo.rollout.num_engines=2"])
+    with shared_ray(cfg, cfg.order()) as address:
+        assert address is not None and os.environ["RAY_ADDRESS"] == address
+        assert all(os.environ[k] == v for k, v in HEAD_ENV.items())
+        ((_, temp),) = _HEADS.values()
+        assert _cluster_pids(str(temp))  # its GCS and raylet
+        for _ in range(2):  # two stage jobs, one cluster
+            out = subprocess.run([sys.executable, "-c", JOB], cwd=ROOT, env=dict(os.environ), capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+            got = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+            # the head's GCS (Ray names it by the machine's address; the port is the head's)
+            assert got["gcs"].rsplit(":", 1)[1] == address.rsplit(":", 1)[1] and got["children"] == "0"
+            # sized for the largest stage: the PPO roles and engines of this config (as its own Ray would be)
+            assert float(got["cpus"]) >= max(os.cpu_count() or 1, ray_cpus(cfg.stage("ppo")))
+    assert "RAY_ADDRESS" not in os.environ and not _HEADS
+    assert not _cluster_pids(str(temp)) and not temp.exists()
+
+
+def test_nothing_starts_with_a_cluster_given_or_without_ray_stages(monkeypatch):
+    cfg = load_config(TINY)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with shared_ray(cfg, cfg.order()) as address:
+        assert address is None and os.environ["RAY_ADDRESS"] == "127.0.0.1:1" and not _HEADS
+    monkeypatch.delenv("RAY_ADDRESS")
+    with shared_ray(cfg, ["critic_init"]) as address:  # a copy, no Ray
+        assert address is None and "RAY_ADDRESS" not in os.environ and not _HEADS
