@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)
-    batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    batch_sizes = sorted({min(int(b), args.prompts) for b in args.hf_batch_sizes.split(",")})  # (no duplicates)
     tok = load_tokenizer(args.model)
     model = build_causal_lm(args.model, tok, seed=args.seed, dtype=torch.float32, attn="sdpa")
     params = sum(p.numel() for p in model.parameters())
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         vllm_batches = token_budget_batches(lengths, sched.max_num_batched_tokens, sched.max_num_seqs)
         sides = {"vllm": (vllm.generate, vllm_batches)}
         sides |= {f"hf@{b}": (hf.generate, fixed_batches(len(prompts), b)) for b in batch_sizes}
-        describe = {"vllm": f"{len(vllm_batches)} generate calls of <= {sched.max_num_batched_tokens} prompt tokens "
+        describe = {"vllm": f"{len(vllm_batches)} generate call(s) of <= {sched.max_num_batched_tokens} prompt tokens "
                             f"({'/'.join(str(len(b)) for b in vllm_batches)} prompts)"}  # fmt: skip
         describe |= {f"hf@{b}": f"batch size {b}" for b in batch_sizes}
         runs: dict[str, list[tuple[int, float, float]]] = {name: [] for name in sides}

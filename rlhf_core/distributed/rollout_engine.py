@@ -67,6 +67,9 @@ class SamplingConfig:
     seed: int = 0
 
 
+CPU_MAX_SEQS = 256  # sequences per vLLM step on CPU (vLLM's default), see VLLMEngine
+
+
 class VLLMEngine:
     """One ``vllm.LLM`` with the weight receiver mixed into its workers. Create it inside a Ray actor (or under
     ``if __name__ == "__main__":``): vLLM spawns its engine process."""
@@ -104,6 +107,12 @@ class VLLMEngine:
             raise ValueError("vLLM sleep mode (enable_sleep) needs a GPU build of vLLM; this one runs on CPU")
         options: dict[str, Any] = {}
         if on_cpu:
+            # Every prompt of a step prefilled in that step: vLLM splits a prefill that crosses the step's token
+            # budget (4096 by default) over two steps and then rewinds the request's seeded generator, which a CPU
+            # generator cannot do ("CPU Generator does not use offset"), so a seeded batch of more prompt tokens
+            # than the budget would kill the engine. The budget of max_model_len x 256 sequences never splits one.
+            options["max_num_batched_tokens"] = max_model_len * CPU_MAX_SEQS
+            options["max_num_seqs"] = CPU_MAX_SEQS
             if tensor_parallel_size > 1:
                 # Inside a placement group vLLM would pick its Ray executor for TP > 1 (config/parallel.py), which
                 # the CPU platform has no Ray device key for; its multiprocessing executor runs the TP workers as

@@ -126,6 +126,11 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     gen_s = time.perf_counter() - t0
     check_responses(responses, len(prompts), 2, 8, tok.eos_token_id)
     assert responses == ray.get(engine.generate.remote(prompts, sampling))  # seeded: reproducible
+    # A seeded batch of more prompt tokens than vLLM's default step budget (4096): 96 prompts of 64 tokens. With
+    # the default budget vLLM split a prefill and the CPU generator's rewind killed the engine.
+    many = [[5 + (i * 7 + j) % 900 for j in range(64)] for i in range(96)]
+    check_responses(ray.get(engine.generate.remote(many, SamplingConfig(max_new_tokens=2, seed=5))), 96, 1, 2,
+                    tok.eos_token_id)  # fmt: skip
 
     seqs = [p + r for p, r in zip([p for p in prompts for _ in range(2)], responses)][::2]
     # the engine serves the saved weights
