@@ -142,8 +142,9 @@ class PolicyActor(TrainableRole):
                     pass
             return {}
         if self.sender is None:  # no collective (HF engines): a state dict through Ray's object store
-            zero3 = self.ctx.strategy.zero_stage == 3
-            sync_weights(None, self.engines, ((n, t.clone() if zero3 else t) for n, t in named))
+            # Compact copies: a ZeRO-2 parameter is a view into DeepSpeed's flat buffer, and a pickled view carries
+            # the whole buffer (ZeRO-3's gathered tensors are released after their bucket).
+            sync_weights(None, self.engines, ((n, t.clone()) for n, t in named))
             return {"weight_sync_s": time.perf_counter() - start, "weight_sync_buckets": 0,
                     "weight_sync_broadcasts": 0}  # fmt: skip
         sync_weights(self.sender, self.engines, named, specs=specs, bucket_bytes=self.bucket_bytes)
