@@ -109,6 +109,17 @@ def _batch_path_worker(port: int, run_dir: str, out: str) -> None:
         return moved
 
     device.to_device = marking
+    # Packed forwards (strategy.packing, the default) run on rows packed from the moved batch: the mark follows.
+    from rlhf_core.algos.packing import Packing
+
+    pack = Packing.pack
+
+    def marked_pack(self, x, fill=0):
+        packed = pack(self, x, fill)
+        packed.rlhf_moved = getattr(x, "rlhf_moved", False)  # type: ignore[attr-defined]
+        return packed
+
+    Packing.pack = marked_pack  # type: ignore[method-assign]
     seen: dict[str, list[bool]] = {}
 
     def watch(name: str, module: torch.nn.Module) -> None:
