@@ -1,6 +1,7 @@
 """Stage start-up: per stage of a preset's pipeline, seconds from the job's process start to its first step.
 
-    python -m bench.startup [--config deployments/configs/tiny.yaml] [--baseline-rev REV] [--keep DIR] [key=value ...]
+    python -m bench.startup [--config deployments/configs/tiny.yaml] [--baseline-rev REV | --baseline-root DIR]
+                            [--root DIR] [--repeats N] [--shared-ray before|after ...] [--keep DIR] [key=value ...]
 
 Each stage runs as the flow runs it: its own job process (``python -m rlhf_core.jobs.<kind> --stage NAME``) in a
 fresh run directory, stages in dependency order. Two clocks per stage, both from the job's process creation:
@@ -15,9 +16,13 @@ A stage without steps (``critic_init``: a copy, no Ray) reports its whole job ti
 ``startup_s`` where the job wrote one, else the stdout clock.
 
 ``--baseline-rev REV``: also run the same pipeline from a ``git worktree`` of REV (shared venv, ``PYTHONPATH`` and the
-working directory pointing at it), stage by stage interleaved with the current code (before, after, before, ...),
-so that both see the same load; ``speedup`` = the slowest stage before / the slowest stage after. ``--env-*``:
-extra environment for the jobs of one side. The last line is the summary (stage names as in the preset):
+working directory pointing at it; ``--baseline-root``: from a checkout at DIR), stage by stage interleaved with the
+current code (``--root``: another checkout) (before, after, before, ...), so that both see the same load; the final
+metrics of both sides are compared (start-up levers must not change a number); ``speedup`` = the slowest stage
+before / the slowest stage after. ``--repeats N``: the whole pipeline N times, medians reported (a shared machine's
+load drifts). ``--shared-ray``: that side's jobs join one Ray head started before them, as a flow run with
+``shared_ray`` gives its jobs (the head's own start is not counted, as the flow starts it once for all stages).
+``--env-*``: extra environment for the jobs of one side. The last line is the summary (stage names as in the preset):
 
     startup: max_s=<slowest stage> sft_s=<..> reward_model_s=<..> ... [speedup=<before_max/after_max>]
 """

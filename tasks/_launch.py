@@ -243,7 +243,9 @@ def _pump(proc: subprocess.Popen, log: Callable[[str], None], tail: list[str]) -
 
 
 def _watch(path: Path, stage: str, on_step, results: list[dict], finished: threading.Event, poll_s: float = 0.5):
-    """Follow the events file until the job has ended: progress from ``step`` events, the ``result`` event kept."""
+    """Follow the events file until the job has ended: progress from ``step`` events, the ``result`` event kept. A
+    progress callback that fails (e.g. the Prefect API it reports to is unreachable from this thread) is dropped
+    with a warning: the result must still be read, or a finished job would count as failed and be retried."""
     offset = 0
     while True:
         done = finished.is_set()  # read once more after the job ended, then stop
@@ -252,7 +254,11 @@ def _watch(path: Path, stage: str, on_step, results: list[dict], finished: threa
             if event.get("stage") != stage:
                 continue
             if event["event"] == "step" and on_step is not None:
-                on_step(int(event["step"]), int(event["total"]))
+                try:
+                    on_step(int(event["step"]), int(event["total"]))
+                except Exception as e:  # progress is best effort
+                    print(f"warning: the {stage} job's progress is no longer reported ({e!r})", file=sys.stderr)
+                    on_step = None
             elif event["event"] == "result":
                 results.append(event["ref"])
         if done:
