@@ -163,17 +163,23 @@ def shared_ray(cfg: PipelineConfig, stages: list[str]) -> Iterator[str | None]:
     if os.environ.get("RAY_ADDRESS") or not cpus:
         yield None
         return
-    with ray_head(max(cpus)) as address:
-        saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", *HEAD_ENV)}
-        os.environ.update(RAY_ADDRESS=address, **HEAD_ENV)  # launch_stage hands its environment to each job
-        try:
-            yield address
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with ray_head(max(cpus)) as address, environ(RAY_ADDRESS=address, **HEAD_ENV):
+        yield address  # launch_stage hands its environment to each job
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """This process's environment with ``values`` set, restored after (unset names unset again)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def launch_stage(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks._launch import kill_tree
+from tasks._launch import environ, kill_tree
 from tests.ray_cluster import cluster_env, local_cluster
 
 BIN = Path(sys.executable).parent
@@ -47,17 +47,8 @@ def shared_ray():
     (``work_pool``): they start their own Ray, so that the cancellation test sees Ray's processes in the job's tree.
     Package scope: the tests after this folder's see no RAY_ADDRESS."""
     env = cluster_env()
-    with local_cluster([(8, {})], env) as (address, _):
-        saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-        os.environ.update(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled")
-        try:
-            yield address
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with local_cluster([(8, {})], env) as (address, _), environ(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled"):
+        yield address
 
 
 @pytest.fixture(scope="session")
