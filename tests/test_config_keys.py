@@ -351,8 +351,8 @@ class RecordingRewardModelImpl(reward_model.RewardModelImpl):
     """The reward-model stage as it is, noting the size of every batch it collates into its metrics (its eval scores
     do not depend on the batching, so the batch sizes are what shows eval_batch_size)."""
 
-    def __init__(self, margin: float):
-        super().__init__(margin)
+    def __init__(self, margin: float, packing: bool = True):
+        super().__init__(margin, packing)
         self.batch_sizes: list[int] = []
 
     def collate(self, examples, pad_id):
