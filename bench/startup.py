@@ -101,7 +101,6 @@ def run_stage(root: Path, config: str, stage: str, kind: str, run_uri: Path, ove
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                  "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
                  **env}  # fmt: skip
-    child_env.pop("RLHF_JOB_STARTED", None)
     proc = subprocess.Popen(cmd, cwd=root, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, start_new_session=True)  # fmt: skip
     try:

@@ -7,24 +7,15 @@ the interpreter start and the imports, too, not only what happens after ``main()
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import psutil
 
-# RLHF_JOB_STARTED: the job process's creation time, handed to the processes it starts (Ray workers), whose own
-# creation time is not the job's.
-JOB_STARTED_ENV = "RLHF_JOB_STARTED"
-
 
 def job_started() -> float:
-    """Epoch seconds at which this job started: ``RLHF_JOB_STARTED`` when set (inherited by a worker), else this
-    process's creation time."""
-    value = os.environ.get(JOB_STARTED_ENV)
-    if value:
-        return float(value)
+    """Epoch seconds at which this process started (a Ray worker gets its job's through ``StageContext``)."""
     return psutil.Process().create_time()
 
 
