@@ -86,6 +86,12 @@ class DataConfig:
     )
     chosen_key: str = opt("chosen", "Preferences: key of the preferred response.")
     rejected_key: str = opt("rejected", "Preferences: key of the rejected response.")
+    response_key: str = opt("response", "Generated rows (score, unpaired KTO): key of the response.")
+    label_key: str | None = opt(
+        None,
+        "KTO: key of the boolean 'desirable' label of unpaired rows (prompt_key, response_key, label_key); "
+        "null = the rows are pairs, chosen desirable and rejected undesirable.",
+    )
     input_template: str | None = opt(None, "Prompt template with one {} (e.g. 'User: {}\\nAssistant: ').")
     apply_chat_template: bool = opt(True, "Use the tokenizer's chat template when it has one.")
 
@@ -265,6 +271,86 @@ class PPOConfig:
     train: PPOTrainConfig = opt(PPOTrainConfig(), "Batching, steps, checkpoints.")
 
 
+@dataclass
+class DPOConfig:
+    model: ModelConfig = required("Policy to train, usually stage:sft.")
+    data: DataConfig = required("Preference data (prompt_key, chosen_key, rejected_key); eval_path: held-out pairs.")
+    reference: ModelConfig | None = opt(None, "Frozen reference policy; null = the policy's starting model.")
+    strategy: StrategyConfig = opt(StrategyConfig(), "DeepSpeed/Ray settings.")
+    optim: OptimConfig = opt(OptimConfig(lr=5e-7), "Optimizer settings.")
+    train: TrainConfig = opt(TrainConfig(), "Batching, steps, checkpoints.")
+    beta: float = opt(0.1, "Strength beta of the implicit KL to the reference.")
+    loss_type: Literal["sigmoid", "ipo"] = opt("sigmoid", "sigmoid = DPO (cDPO with label_smoothing > 0); ipo = IPO.")
+    label_smoothing: float = opt(0.0, "cDPO: assumed probability in [0, 0.5) that a preference label is flipped.")
+    nll_loss_coef: float = opt(0.0, "Weight of an added NLL (SFT) loss on the chosen responses (0 = none).")
+    ref_logprobs: Literal["precompute", "online"] = opt(
+        "precompute",
+        "precompute = reference log-probs computed once before training and stored with the stage "
+        "(<run_uri>/<stage>/reference_logprobs/); online = a frozen reference copy on every rank, every step.",
+    )
+
+
+@dataclass
+class KTOConfig:
+    model: ModelConfig = required("Policy to train, usually stage:sft.")
+    data: DataConfig = required("Pairs (chosen desirable, rejected undesirable) or unpaired rows with data.label_key.")
+    reference: ModelConfig | None = opt(None, "Frozen reference policy; null = the policy's starting model.")
+    strategy: StrategyConfig = opt(StrategyConfig(), "DeepSpeed/Ray settings.")
+    optim: OptimConfig = opt(OptimConfig(lr=5e-7), "Optimizer settings.")
+    train: TrainConfig = opt(TrainConfig(), "Batching, steps, checkpoints.")
+    beta: float = opt(0.1, "Strength beta of the implicit KL to the reference.")
+    desirable_weight: float = opt(1.0, "Weight of the desirable examples' losses.")
+    undesirable_weight: float = opt(1.0, "Weight of the undesirable examples' losses.")
+    ref_logprobs: Literal["precompute", "online"] = opt(
+        "precompute",
+        "precompute = reference log-probs computed once before training and stored with the stage; "
+        "online = a frozen reference copy on every rank.",
+    )
+
+
+@dataclass
+class GenerateConfig:
+    model: ModelConfig = required("Policy to sample from, e.g. stage:sft.")
+    data: DataConfig = required("Prompts (input_key).")
+    reference: ModelConfig | None = opt(None, "Also measure KL(policy || reference) of the responses (kl_to_ref).")
+    strategy: StrategyConfig = opt(StrategyConfig(), "Engines' precision and device; the KL forward's Ray workers.")
+    rollout: RolloutConfig = opt(
+        RolloutConfig(n_samples_per_prompt=4), "Engines and sampling: n_samples_per_prompt responses per prompt."
+    )
+    seed: int = opt(42, "Sampling seed.")
+    gold_reward: str | None = opt(
+        None, "module:function(prompt, response) -> float giving each row a gold_reward (and its mean); null = none."
+    )
+    output_format: Literal["jsonl", "parquet"] = opt("jsonl", "File format of the committed dataset.")
+
+
+@dataclass
+class ScoreConfig:
+    data: DataConfig = required("Rows to score (prompt_key, response_key), usually stage:<generate stage>.")
+    reward: ModelConfig | None = opt(None, "Reward model (e.g. stage:reward_model); or give reward_fn.")
+    reward_fn: str | None = opt(
+        None, "module:function or path.py:function(prompts, responses) -> list of floats; or give reward."
+    )
+    strategy: StrategyConfig = opt(StrategyConfig(), "Ray workers of the reward model.")
+    micro_batch_size: int = opt(16, "Rows per reward-model forward.")
+    select: Literal["all", "best", "pairs"] = opt(
+        "all",
+        "all = every row with its score; best = the best response per prompt (best-of-n); pairs = "
+        "(best, worst) per prompt as prompt/chosen/rejected (iterative DPO).",
+    )
+    threshold: float | None = opt(None, "select=best: keep a prompt's best response only at this score or above.")
+    output_format: Literal["jsonl", "parquet"] = opt("jsonl", "File format of the committed dataset.")
+
+
+@dataclass
+class LoopConfig:
+    iterations: int = opt(0, "Iterations K of the loop (0 = no loop); instance <name> of iteration i is <name>_<i>.")
+    policy: str = opt("", "The first iteration's policy, e.g. stage:sft; loop stages read the current one as "
+                          "loop:policy.")  # fmt: skip
+    next_policy: str = opt("", "The loop stage whose output is the next iteration's policy, e.g. dpo.")
+    stages: dict[str, Any] = opt({}, "The stages of one iteration (sections as under 'stages').")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Stage kinds and the pipeline: a graph of named stage instances
 
@@ -283,22 +369,34 @@ class StageKind:
 
 
 _PREFERENCE_KEYS = ("data.prompt_key", "data.chosen_key", "data.rejected_key")
-_PROMPT_ONLY = frozenset(("data.output_key", *_PREFERENCE_KEYS))
+_GENERATED_KEYS = ("data.response_key", "data.label_key")
+_PROMPT_ONLY = frozenset(("data.output_key", *_PREFERENCE_KEYS, *_GENERATED_KEYS))
+_NOT_TRAINED = ("strategy.zero_stage", "strategy.offload_optimizer", "strategy.gradient_checkpointing")
+_NOT_SYNCED = ("rollout.enable_sleep", "rollout.weight_sync_backend", "rollout.weight_sync_bucket_mb")
 _ACTOR_OPTIM = tuple(f"actor_optim.{f.name}" for f in dataclasses.fields(OptimConfig))
 
 STAGE_KINDS: dict[str, StageKind] = {
     k.name: k
     for k in (
         StageKind("sft", SFTConfig, "rlhf_core.jobs.sft", "Supervised fine-tuning of a causal LM.",
-                  frozenset(_PREFERENCE_KEYS)),
+                  frozenset((*_PREFERENCE_KEYS, *_GENERATED_KEYS))),
         StageKind("reward_model", RewardModelConfig, "rlhf_core.jobs.reward_model", "Reward model on preferences.",
-                  frozenset(("data.input_key", "data.output_key"))),
+                  frozenset(("data.input_key", "data.output_key", *_GENERATED_KEYS))),
         StageKind("critic_init", CriticInitConfig, "rlhf_core.jobs.critic_init", "Critic = copy of a reward model.",
                   frozenset(("model.init_seed",))),
         StageKind("critic_warmup", PPOConfig, "rlhf_core.jobs.critic_warmup", "PPO loop with the actor frozen.",
                   _PROMPT_ONLY | {"train.freeze_actor_steps", "train.save_critic", "algo.eps_clip",
                                   "algo.whiten_advantages", "actor_strategy.gradient_checkpointing", *_ACTOR_OPTIM}),
         StageKind("ppo", PPOConfig, "rlhf_core.jobs.ppo", "Ray-distributed PPO.", _PROMPT_ONLY),
+        StageKind("dpo", DPOConfig, "rlhf_core.jobs.dpo", "DPO, IPO or cDPO on preference pairs.",
+                  frozenset(("data.input_key", "data.output_key", *_GENERATED_KEYS))),
+        StageKind("kto", KTOConfig, "rlhf_core.jobs.kto", "KTO on desirable/undesirable examples.",
+                  frozenset(("data.input_key", "data.output_key"))),
+        StageKind("generate", GenerateConfig, "rlhf_core.jobs.generate", "n responses per prompt -> a dataset.",
+                  _PROMPT_ONLY | {"data.eval_path", "data.eval_split", *_NOT_TRAINED, *_NOT_SYNCED}),
+        StageKind("score", ScoreConfig, "rlhf_core.jobs.score", "Scores rows with a reward model or function.",
+                  frozenset(("data.eval_path", "data.eval_split", "data.input_key", "data.output_key",
+                             "data.chosen_key", "data.rejected_key", "data.label_key", *_NOT_TRAINED))),
     )
 }  # fmt: skip
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -314,11 +412,16 @@ class StageSpec:
     section: Any
 
     def upstream(self) -> list[tuple[str, str]]:
-        """(config key, stage name) of every ``stage:<name>`` model this instance reads, in field order."""
+        """(config key, stage name) of every ``stage:<name>`` model or dataset this instance reads, in field order."""
         out = []
         for field_name, value in vars(self.section).items():
             if isinstance(value, ModelConfig) and value.name_or_path.startswith(STAGE_PREFIX):
                 out.append((f"{self.name}.{field_name}.name_or_path", value.name_or_path[len(STAGE_PREFIX) :]))
+            if isinstance(value, DataConfig):
+                for key in ("train_path", "eval_path"):
+                    path = getattr(value, key)
+                    if path is not None and path.startswith(STAGE_PREFIX):
+                        out.append((f"{self.name}.{field_name}.{key}", path[len(STAGE_PREFIX) :]))
         return out
 
     def upstream_names(self) -> list[str]:
@@ -331,9 +434,13 @@ class PipelineConfig:
     storage: StorageConfig = opt(StorageConfig(), "Object-store credentials and endpoint.")
     stages: dict[str, StageSpec] = opt(
         {},
-        "Named stage instances: stages.<name>.kind (sft, reward_model, critic_init, critic_warmup, ppo; default: "
-        "the name) and that kind's section. stage:<name> model paths form the dependency graph.",
+        "Named stage instances: stages.<name>.kind (sft, reward_model, critic_init, critic_warmup, ppo, dpo, kto, "
+        "generate, score; default: the name) and that kind's section. stage:<name> model and data paths form the "
+        "dependency graph.",
     )
+    loop: LoopConfig = opt(LoopConfig(), "Stages repeated K times (rejection sampling, iterative DPO).")
+    # stage instance -> its loop iteration (1..K), for the instances the loop made; not a config key
+    iterations: dict[str, int] = field(default_factory=dict, metadata={"internal": True})
 
     def stage(self, name: str) -> Any:
         """The config section of stage instance ``name``."""
@@ -400,24 +507,94 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             if key not in _TOP_LEVEL:
                 hint = f"; stage sections go under 'stages:' (stages.{key}.kind: ...)" if key in STAGE_KINDS else ""
                 raise ConfigError(f"unknown config key '{key}' at the top level of {path}{hint}")
+    parsed = []
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        if key.split(".")[0] not in _TOP_LEVEL:
-            key = f"stages.{key}"
-        _set_dotted(raw, key, yaml.safe_load(value) if value.strip() else None)
+        parsed.append((key, yaml.safe_load(value) if value.strip() else None))
+    for key, value in parsed:  # run-level keys and the loop first: the loop's instances are made from them
+        if key.split(".")[0] in _TOP_LEVEL and not key.startswith("stages."):
+            _set_dotted(raw, key, value)
+    loop = _build(LoopConfig, raw.pop("loop", None) or {}, "loop")
     stages = raw.pop("stages", None) or {}
     if not isinstance(stages, dict):
         raise ConfigError("'stages' must be a mapping of stage names to sections")
+    stages, iterations = expand_loop(loop, stages)
+    raw["stages"] = stages
+    for key, value in parsed:  # <stage>.a.b: shorthand for stages.<stage>.a.b; <loop stage>.a.b: every iteration's
+        head = key.split(".")[0]
+        if head in _TOP_LEVEL and not key.startswith("stages."):
+            continue
+        rest = key.removeprefix("stages.")
+        head, _, tail = rest.partition(".")
+        targets = [f"{head}_{i}" for i in range(1, loop.iterations + 1)] if head in loop.stages else [head]
+        for target in targets:
+            _set_dotted(raw, f"stages.{target}.{tail}" if tail else f"stages.{target}", value)
+    stages = raw.pop("stages")
     cfg = _build(PipelineConfig, raw, "")
+    cfg.loop, cfg.iterations = loop, iterations
     cfg.stages = {name: _build_stage(str(name), entry) for name, entry in stages.items()}
     validate(cfg)
     return cfg
 
 
-_TOP_LEVEL = ("run_uri", "storage", "stages")
+_TOP_LEVEL = ("run_uri", "storage", "stages", "loop")
+LOOP_POLICY = "loop:policy"
+
+
+def expand_loop(loop: LoopConfig, stages: dict) -> tuple[dict, dict[str, int]]:
+    """The preset's stages plus K copies of the loop's: instance ``<name>_<i>`` of iteration i, its ``stage:<name>``
+    references to loop stages turned into ``stage:<name>_<i>`` and ``loop:policy`` into the iteration's policy
+    (``loop.policy`` for the first, ``stage:<next_policy>_<i-1>`` after it)."""
+    if loop.iterations < 0:
+        raise ConfigError(f"invalid value {loop.iterations} for 'loop.iterations': must be >= 0")
+    if loop.iterations == 0:
+        if loop.stages:
+            raise ConfigError("'loop.stages' is set but 'loop.iterations' is 0: set loop.iterations to K >= 1")
+        return dict(stages), {}
+    if not loop.stages:
+        raise ConfigError("'loop.iterations' is set but 'loop.stages' is empty: list the stages of one iteration")
+    if loop.next_policy not in loop.stages:
+        raise ConfigError(
+            f"invalid value {loop.next_policy!r} for 'loop.next_policy': name the loop stage whose output is the next "
+            f"policy (one of {', '.join(loop.stages)})"
+        )
+    if not loop.policy:
+        raise ConfigError("'loop.policy' is required: the first iteration's policy, e.g. stage:sft")
+    clash = sorted(set(loop.stages) & set(stages))
+    if clash:
+        raise ConfigError(
+            f"loop stage '{clash[0]}' has the name of a stage under 'stages': rename one (inside the loop, "
+            f"stage:{clash[0]} means the iteration's own instance)"
+        )
+    out, iterations = dict(stages), {}
+    for i in range(1, loop.iterations + 1):
+        policy = loop.policy if i == 1 else f"{STAGE_PREFIX}{loop.next_policy}_{i - 1}"
+        for base, entry in loop.stages.items():
+            name = f"{base}_{i}"
+            if name in out:
+                raise ConfigError(f"loop stage '{base}' of iteration {i} is named '{name}', which 'stages' has too")
+            if not isinstance(entry, dict):
+                raise ConfigError(f"'loop.stages.{base}' must be a mapping (a stage section)")
+            entry = dict(entry)
+            entry.setdefault("kind", base if base in STAGE_KINDS else None)
+            out[name] = _rename(entry, set(loop.stages), i, policy)
+            iterations[name] = i
+    return out, iterations
+
+
+def _rename(node: Any, loop_names: set[str], i: int, policy: str) -> Any:
+    if isinstance(node, dict):
+        return {k: _rename(v, loop_names, i, policy) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rename(v, loop_names, i, policy) for v in node]
+    if node == LOOP_POLICY:
+        return policy
+    if isinstance(node, str) and node.startswith(STAGE_PREFIX) and node[len(STAGE_PREFIX) :] in loop_names:
+        return f"{node}_{i}"
+    return node
 
 
 def _build_stage(name: str, entry: Any) -> StageSpec:
@@ -561,8 +738,14 @@ def validate(cfg: PipelineConfig) -> None:
     if not cfg.run_uri.strip():
         raise ConfigError("'run_uri' is empty: give a local path, file://... or s3://bucket/prefix")
     for name, spec in cfg.stages.items():
-        if spec.kind in ("sft", "reward_model"):
+        if spec.kind in ("sft", "reward_model", "dpo", "kto"):
             _validate_training(name, spec.section)
+        if spec.kind in ("dpo", "kto"):
+            _validate_preference(name, spec.kind, spec.section)
+        if spec.kind == "generate":
+            _validate_generate(name, spec.section)
+        if spec.kind == "score":
+            _validate_score(name, spec.section)
         if spec.kind == "reward_model" and not spec.section.data.eval_path:
             raise ConfigError(f"'{name}.data.eval_path' is required: held-out pairs give accuracy and reward stats")
         if spec.kind in ("critic_warmup", "ppo"):
@@ -602,16 +785,54 @@ def _validate_training(name: str, stage: Any) -> None:
         )
 
 
+def _validate_preference(name: str, kind: str, p: DPOConfig | KTOConfig) -> None:
+    _check(p.beta > 0, f"{name}.beta", p.beta, "must be > 0")
+    if isinstance(p, DPOConfig):
+        _check(0 <= p.label_smoothing < 0.5, f"{name}.label_smoothing", p.label_smoothing, "must be in [0, 0.5)")
+        _check(p.nll_loss_coef >= 0, f"{name}.nll_loss_coef", p.nll_loss_coef, "must be >= 0")
+        if p.loss_type == "ipo" and p.label_smoothing:
+            raise ConfigError(f"'{name}.label_smoothing' applies to loss_type=sigmoid (cDPO), not ipo: set it to 0")
+    else:
+        _check(p.desirable_weight > 0, f"{name}.desirable_weight", p.desirable_weight, "must be > 0")
+        _check(p.undesirable_weight > 0, f"{name}.undesirable_weight", p.undesirable_weight, "must be > 0")
+
+
+def _validate_sampling(name: str, r: RolloutConfig) -> None:
+    _check(r.num_engines >= 1, f"{name}.rollout.num_engines", r.num_engines, "must be >= 1")
+    _check(r.tensor_parallel_size >= 1, f"{name}.rollout.tensor_parallel_size", r.tensor_parallel_size, ">= 1")
+    _check(0 < r.gpu_memory_utilization <= 1, f"{name}.rollout.gpu_memory_utilization", r.gpu_memory_utilization,
+           "must be in (0, 1]")  # fmt: skip
+    _check(r.n_samples_per_prompt >= 1, f"{name}.rollout.n_samples_per_prompt", r.n_samples_per_prompt, ">= 1")
+    _check(r.max_new_tokens >= 1, f"{name}.rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
+    _check(r.temperature >= 0, f"{name}.rollout.temperature", r.temperature, "must be >= 0")
+    _check(0 < r.top_p <= 1, f"{name}.rollout.top_p", r.top_p, "must be in (0, 1]")
+
+
+def _validate_generate(name: str, g: GenerateConfig) -> None:
+    _validate_sampling(name, g.rollout)
+    _check(g.strategy.num_workers >= 1, f"{name}.strategy.num_workers", g.strategy.num_workers, "must be >= 1")
+    _check(g.data.max_len >= 2, f"{name}.data.max_len", g.data.max_len, "must be >= 2")
+
+
+def _validate_score(name: str, sc: ScoreConfig) -> None:
+    if (sc.reward is None) == (sc.reward_fn is None):
+        raise ConfigError(
+            f"give exactly one of '{name}.reward.name_or_path' (a reward model) and '{name}.reward_fn' "
+            "(module:function or path.py:function)"
+        )
+    _check(sc.micro_batch_size >= 1, f"{name}.micro_batch_size", sc.micro_batch_size, "must be >= 1")
+    _check(sc.strategy.num_workers >= 1, f"{name}.strategy.num_workers", sc.strategy.num_workers, "must be >= 1")
+    if sc.threshold is not None and sc.select != "best":
+        raise ConfigError(f"'{name}.threshold' applies to select=best: set {name}.select=best or remove it")
+
+
 def _validate_ppo(name: str, p: PPOConfig) -> None:
     """Batch arithmetic as in OpenRLHF: rollout samples split evenly over actor and critic ranks, and into
     optimizer steps of train_batch_size made of micro-batches on every rank."""
     t, r, a = p.train, p.rollout, p.algo
     for key in ("rollout_batch_size", "train_batch_size", "micro_train_batch_size", "micro_rollout_batch_size"):
         _check(getattr(t, key) >= 1, f"{name}.train.{key}", getattr(t, key), "must be >= 1")
-    _check(r.num_engines >= 1, f"{name}.rollout.num_engines", r.num_engines, "must be >= 1")
-    _check(r.tensor_parallel_size >= 1, f"{name}.rollout.tensor_parallel_size", r.tensor_parallel_size, ">= 1")
-    _check(0 < r.gpu_memory_utilization <= 1, f"{name}.rollout.gpu_memory_utilization", r.gpu_memory_utilization,
-           "must be in (0, 1]")  # fmt: skip
+    _validate_sampling(name, r)
     _check(r.weight_sync_bucket_mb >= 1, f"{name}.rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb, ">= 1")
     _check(p.frozen_zero_stage in (0, 3), f"{name}.frozen_zero_stage", p.frozen_zero_stage, "must be 0 or 3")
     if p.frozen_offload and p.frozen_zero_stage != 3:
@@ -623,10 +844,6 @@ def _validate_ppo(name: str, p: PPOConfig) -> None:
             f"'{name}.rollout.weight_sync_backend=cuda_ipc' needs '{name}.colocate_all=true' (the engines must share "
             "the actor's GPUs)"
         )
-    _check(r.n_samples_per_prompt >= 1, f"{name}.rollout.n_samples_per_prompt", r.n_samples_per_prompt, ">= 1")
-    _check(r.max_new_tokens >= 1, f"{name}.rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
-    _check(r.temperature >= 0, f"{name}.rollout.temperature", r.temperature, "must be >= 0")
-    _check(0 < r.top_p <= 1, f"{name}.rollout.top_p", r.top_p, "must be in (0, 1]")
     _check(a.kl_coef >= 0, f"{name}.algo.kl_coef", a.kl_coef, "must be >= 0")
     _check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"{name}.algo.gamma/lam", (a.gamma, a.lam), "must be in [0, 1]")
     _check(a.ppo_epochs >= 1, f"{name}.algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
@@ -737,6 +954,8 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = _join(prefix, f.name)
+        if f.metadata.get("internal"):
+            continue
         if cls is PipelineConfig and f.name == "stages":
             for kind in STAGE_KINDS.values():
                 rows.append((f"{kind.name}.kind", repr(kind.name), f"Stage kind: {kind.description}"))

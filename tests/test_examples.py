@@ -1,11 +1,18 @@
-"""Prompt formatting and tokenization of SFT and preference rows, and their refusal of bad rows."""
+"""Prompt formatting and tokenization of SFT, preference (reward model, DPO) and KTO rows, and their refusal of bad rows."""
 
 import json
 
 import pytest
 
 from rlhf_core.config import DataConfig
-from rlhf_core.data.examples import encode, preference_examples, render_prompt, sft_examples, split_hh
+from rlhf_core.data.examples import (
+    encode,
+    kto_examples,
+    preference_examples,
+    render_prompt,
+    sft_examples,
+    split_hh,
+)
 from rlhf_core.data.loading import DataError
 from rlhf_core.models.builders import load_tokenizer
 
@@ -81,3 +88,243 @@ def test_missing_key_names_file_row_and_key(tmp_path, tok):
     )
     with pytest.raises(DataError, match=r"p.jsonl.*row 2.*'rejected'"):
         preference_examples(DataConfig(train_path=path), tok)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preference pairs (reward model, DPO): prompt lengths and refusal of bad pairs
+
+GOOD = {"prompt": "Say hi.", "chosen": "Hello there.", "rejected": "Go away."}
+
+
+def test_preference_prompt_lens_mark_where_the_responses_start(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", [GOOD])
+    (pair,) = preference_examples(DataConfig(train_path=path), tok)
+    prompt_ids = tok("<|user|>Say hi.\n<|assistant|>")["input_ids"]
+    assert pair["chosen_prompt_len"] == pair["rejected_prompt_len"] == len(prompt_ids)
+    assert pair["chosen_ids"][: len(prompt_ids)] == pair["rejected_ids"][: len(prompt_ids)] == prompt_ids
+    assert tok.decode(pair["chosen_ids"][pair["chosen_prompt_len"] : -1]) == "Hello there."
+    assert tok.decode(pair["rejected_ids"][pair["rejected_prompt_len"] : -1]) == "Go away."
+    assert pair["chosen_ids"][-1] == pair["rejected_ids"][-1] == tok.eos_token_id
+
+
+def test_hh_preference_prompt_lens_may_differ(tmp_path, tok):
+    chosen = "\n\nHuman: Say hi.\n\nAssistant: hello there"
+    rejected = "\n\nHuman: Say hi.\n\nAssistant: what?\n\nHuman: hi!\n\nAssistant: no"
+    path = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": chosen, "rejected": rejected}])
+    (pair,) = preference_examples(DataConfig(train_path=path, prompt_key=None), tok)
+    assert pair["chosen_prompt_len"] < pair["rejected_prompt_len"]
+    for side, text in (("chosen", chosen), ("rejected", rejected)):
+        ids, n = pair[f"{side}_ids"], pair[f"{side}_prompt_len"]
+        prompt, response = split_hh(text, "w")
+        assert tok.decode(ids[:n], skip_special_tokens=True) == prompt
+        assert tok.decode(ids[n:-1]) == response
+
+
+def test_message_list_preferences_give_prompt_lens(tmp_path, tok):
+    conv = [{"role": "user", "content": "Say hi."}]
+    row = {
+        "chosen": conv + [{"role": "assistant", "content": "Hello."}],
+        "rejected": conv + [{"role": "assistant", "content": "No."}],
+    }
+    path = write_jsonl(tmp_path / "m.jsonl", [row])
+    (pair,) = preference_examples(DataConfig(train_path=path, prompt_key=None), tok)
+    prompt_ids = tok("<|user|>Say hi.\n<|assistant|>")["input_ids"]
+    assert pair["chosen_prompt_len"] == len(prompt_ids) and pair["chosen_ids"][: len(prompt_ids)] == prompt_ids
+    assert tok.decode(pair["chosen_ids"][len(prompt_ids) : -1]) == "Hello."
+
+
+def _refused(path, cfg, tok, *fragments):
+    """preference_examples and kto_examples (pairs) refuse ``path`` with one line naming each of ``fragments``."""
+    for make in (preference_examples, kto_examples):
+        with pytest.raises(DataError) as info:
+            make(cfg, tok)
+        message = str(info.value)
+        assert "\n" not in message
+        for fragment in (path, *fragments):
+            assert fragment in message, (make.__name__, fragment, message)
+    return message
+
+
+def test_pair_missing_key_is_refused(tmp_path, tok):
+    path = write_jsonl(tmp_path / "missing.jsonl", [GOOD, {"prompt": "a", "rejected": "c"}])
+    _refused(path, DataConfig(train_path=path), tok, "row 2", "'chosen'", "missing")
+
+
+def test_pair_with_chosen_equal_to_rejected_is_refused(tmp_path, tok):
+    path = write_jsonl(tmp_path / "same.jsonl", [GOOD, GOOD, {"prompt": "a", "chosen": "b c", "rejected": "b c"}])
+    message = _refused(path, DataConfig(train_path=path), tok, "row 3", "'chosen'", "'rejected'", "same text")
+    assert "drop the row or fix it" in message
+    hh = "\n\nHuman: hi\n\nAssistant: hello"
+    path = write_jsonl(tmp_path / "same_hh.jsonl", [{"chosen": hh, "rejected": hh}])
+    _refused(path, DataConfig(train_path=path, prompt_key=None), tok, "row 1", "'chosen'", "'rejected'", "same")
+
+
+def test_pair_identical_within_max_len_is_refused(tmp_path, tok):
+    path = write_jsonl(
+        tmp_path / "trunc.jsonl", [{"prompt": "a", "chosen": "word " * 40 + "yes", "rejected": "word " * 40}]
+    )
+    _refused(path, DataConfig(train_path=path, max_len=16), tok, "row 1", "'chosen'", "'rejected'", "token ids")
+    (pair,) = preference_examples(DataConfig(train_path=path, max_len=512), tok)  # they differ when not truncated
+    assert pair["chosen_ids"] != pair["rejected_ids"]
+
+
+@pytest.mark.parametrize(
+    "row, prompt_key, key",
+    [
+        ({"prompt": "a", "chosen": "b", "rejected": "   "}, "prompt", "rejected"),
+        ({"prompt": "a", "chosen": "", "rejected": "c"}, "prompt", "chosen"),
+        ({"chosen": "\n\nHuman: hi\n\nAssistant:  ", "rejected": "\n\nHuman: hi\n\nAssistant: no"}, None, "chosen"),
+        (
+            {
+                "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}],
+                "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}],
+            },
+            None,
+            "rejected",
+        ),
+        (
+            {"prompt": "hi", "chosen": [{"role": "assistant", "content": ""}], "rejected": "c"},
+            "prompt",
+            "chosen",
+        ),
+    ],
+)
+def test_pair_with_an_empty_response_is_refused(tmp_path, tok, row, prompt_key, key):
+    path = write_jsonl(tmp_path / "empty.jsonl", [GOOD, row])
+    _refused(path, DataConfig(train_path=path, prompt_key=prompt_key), tok, "row 2", f"'{key}'")
+
+
+def test_empty_response_message_suggests_the_fix(tmp_path, tok):
+    path = write_jsonl(
+        tmp_path / "e.jsonl", [{"chosen": "\n\nHuman: hi\n\nAssistant:", "rejected": "\n\nHuman: hi\n\nAssistant: x"}]
+    )
+    with pytest.raises(DataError, match=r"e\.jsonl row 1 key 'chosen': the response is empty; drop the row or fix it"):
+        preference_examples(DataConfig(train_path=path, prompt_key=None), tok)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KTO
+
+
+def test_kto_from_pairs_gives_two_examples_per_pair(tmp_path, tok):
+    rows = [
+        {"prompt": "Say hi.", "chosen": "Hello.", "rejected": "No."},
+        {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Dog."},
+    ]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    examples = kto_examples(DataConfig(train_path=path), tok)
+    assert [e["desirable"] for e in examples] == [True, False, True, False]
+    responses = [tok.decode(e["input_ids"][e["prompt_len"] : -1]) for e in examples]
+    assert responses == ["Hello.", "No.", "Blue.", "Dog."]
+    prompts = [tok.decode(e["input_ids"][: e["prompt_len"]], skip_special_tokens=True) for e in examples]
+    assert prompts == ["<|user|>Say hi.\n<|assistant|>"] * 2 + ["<|user|>Name a colour.\n<|assistant|>"] * 2
+    assert all(e["input_ids"][-1] == tok.eos_token_id for e in examples)
+    assert {"input_ids", "prompt_len", "desirable", "kl_ids", "kl_prompt_len"} == set(examples[0])
+
+
+def test_kto_kl_ids_pair_each_prompt_with_another_prompts_response(tmp_path, tok):
+    rows = [
+        {"q": "Say hi.", "a": "Hello.", "ok": True},
+        {"q": "Say hi.", "a": "Go away.", "ok": 0},
+        {"q": "Name a colour.", "a": "Blue.", "ok": 1},
+        {"q": "Count to two.", "a": "One, two.", "ok": False},
+    ]
+    path = write_jsonl(tmp_path / "unpaired.jsonl", rows)
+    cfg = DataConfig(train_path=path, prompt_key="q", response_key="a", label_key="ok")
+    examples = kto_examples(cfg, tok)
+    assert [e["desirable"] for e in examples] == [True, False, True, False]
+    # the next example, cyclically, with a different prompt: rows 0 and 1 share a prompt, so both take row 2's
+    partner = [2, 2, 3, 0]
+    for i, e in enumerate(examples):
+        p = examples[partner[i]]
+        assert e["kl_prompt_len"] == e["prompt_len"]
+        assert e["kl_ids"][: e["kl_prompt_len"]] == e["input_ids"][: e["prompt_len"]]
+        assert e["kl_ids"][e["kl_prompt_len"] :] == p["input_ids"][p["prompt_len"] :]
+        assert e["kl_ids"][-1] == tok.eos_token_id
+        mine = tok.decode(e["input_ids"][: e["prompt_len"]], skip_special_tokens=True)
+        assert mine == f"<|user|>{rows[i]['q']}\n<|assistant|>"
+        assert tok.decode(e["kl_ids"][e["kl_prompt_len"] : -1]) == rows[partner[i]]["a"] != rows[i]["a"]
+        assert rows[partner[i]]["q"] != rows[i]["q"]
+
+
+def test_kto_kl_ids_are_truncated_to_max_len(tmp_path, tok):
+    rows = [{"prompt": "a", "response": "b", "label": True}, {"prompt": "c", "response": "word " * 50, "label": False}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    first, second = kto_examples(DataConfig(train_path=path, label_key="label", max_len=16), tok)
+    assert len(first["kl_ids"]) == 16 and len(second["input_ids"]) == 16
+    assert (
+        first["kl_ids"][first["kl_prompt_len"] :]
+        == second["input_ids"][second["prompt_len"] :][: 16 - first["kl_prompt_len"]]
+    )
+
+
+def test_kto_unpaired_transcripts_with_prompt_key_null(tmp_path, tok):
+    rows = [
+        {"text": "\n\nHuman: hi\n\nAssistant: hello", "label": True},
+        {"text": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}], "label": False},
+    ]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    cfg = DataConfig(train_path=path, prompt_key=None, response_key="text", label_key="label")
+    first, second = kto_examples(cfg, tok)
+    assert (
+        tok.decode(first["input_ids"][: first["prompt_len"]], skip_special_tokens=True)
+        == "\n\nHuman: hi\n\nAssistant:"
+    )
+    assert tok.decode(first["input_ids"][first["prompt_len"] : -1]) == " hello"
+    assert tok.decode(second["input_ids"][second["prompt_len"] : -1]) == "ciao"
+    assert tok.decode(first["kl_ids"][first["kl_prompt_len"] : -1]) == "ciao"
+
+
+@pytest.mark.parametrize("label", ["yes", 2, 0.5, None, "true", [True]])
+def test_kto_unpaired_bad_label_is_refused(tmp_path, tok, label):
+    rows = [{"prompt": "a", "response": "b", "label": True}, {"prompt": "c", "response": "d", "label": label}]
+    path = write_jsonl(tmp_path / "labels.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+    message = str(info.value)
+    assert path in message and "row 2" in message and "'label'" in message and "true/false or 1/0" in message
+
+
+def test_kto_unpaired_missing_label_or_empty_response_is_refused(tmp_path, tok):
+    rows = [{"prompt": "a", "response": "b", "label": True}, {"prompt": "c", "response": "d"}]
+    path = write_jsonl(tmp_path / "nolabel.jsonl", rows)
+    with pytest.raises(DataError, match=r"nolabel\.jsonl row 2 key 'label': missing"):
+        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+    rows = [{"prompt": "a", "response": "b", "label": True}, {"prompt": "c", "response": " ", "label": False}]
+    path = write_jsonl(tmp_path / "noresp.jsonl", rows)
+    with pytest.raises(DataError, match=r"noresp\.jsonl.*row 2.*'response'"):
+        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+    rows = [{"text": "\n\nHuman: a\n\nAssistant: b", "label": 1}, {"text": "\n\nHuman: c\n\nAssistant:", "label": 0}]
+    path = write_jsonl(tmp_path / "nohh.jsonl", rows)
+    with pytest.raises(DataError, match=r"nohh\.jsonl row 2 key 'text': the response is empty"):
+        kto_examples(DataConfig(train_path=path, prompt_key=None, response_key="text", label_key="label"), tok)
+
+
+def test_kto_needs_desirable_and_undesirable_examples(tmp_path, tok):
+    rows = [{"prompt": "a", "response": "b", "label": 1}, {"prompt": "c", "response": "d", "label": True}]
+    path = write_jsonl(tmp_path / "one_kind.jsonl", rows)
+    with pytest.raises(DataError, match=r"one_kind\.jsonl: .*desirable.*KTO needs both desirable and undesirable"):
+        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+
+
+def test_kto_needs_two_distinct_prompts(tmp_path, tok):
+    rows = [{"prompt": "a", "response": "b", "label": 1}, {"prompt": "a", "response": "d", "label": 0}]
+    path = write_jsonl(tmp_path / "one_prompt.jsonl", rows)
+    with pytest.raises(DataError, match=r"one_prompt\.jsonl: .*KTO needs at least two distinct prompts"):
+        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+    path = write_jsonl(tmp_path / "one_pair.jsonl", [GOOD, GOOD | {"rejected": "Never."}])
+    with pytest.raises(DataError, match="at least two distinct prompts"):
+        kto_examples(DataConfig(train_path=path), tok)
+
+
+def test_bundled_preference_data_still_loads(tok):
+    for path in (
+        "rlhf_core/assets/data/synthetic/pref_train.jsonl",
+        "rlhf_core/assets/data/synthetic/pref_eval.jsonl",
+        "tests/data/config_keys/pref.jsonl",
+    ):
+        cfg = DataConfig(train_path=path, max_samples=200)
+        pairs = preference_examples(cfg, tok)
+        assert pairs and all(0 < p["chosen_prompt_len"] < len(p["chosen_ids"]) for p in pairs)
+        examples = kto_examples(cfg, tok)
+        assert len(examples) == 2 * len(pairs)

@@ -1,4 +1,4 @@
-"""Turn dataset rows into token ids for the SFT and reward-model stages, refusing bad rows up front.
+"""Turn dataset rows into token ids for the SFT, reward-model, DPO and KTO stages, refusing bad rows up front.
 
 Prompt formatting, in order: a list of chat messages or ``apply_chat_template`` with a tokenizer that has a chat
 template -> the template; ``input_template`` -> ``template.format(prompt)``; otherwise the text as it is. With
@@ -97,24 +97,165 @@ def sft_examples(cfg: DataConfig, tokenizer: Any, split: str = "train", storage_
     return out
 
 
-def preference_examples(
-    cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None
-) -> list:
-    """[{'chosen_ids', 'rejected_ids'}] for the pairwise reward-model loss."""
+def _response_text(value: Any, where: str) -> str:
+    """The response of a row whose prompt is under its own key: a string, or messages ending with the answer."""
+    if isinstance(value, list):
+        if not value or value[-1].get("role") != "assistant":
+            raise DataError(f"{where}: a message list must end with an assistant message")
+        return value[-1]["content"]
+    return value
+
+
+def _prompt_and_response(row: dict, key: str, tokenizer: Any, cfg: DataConfig, where: str) -> tuple[str, str]:
+    """(rendered prompt, response text) of ``row[key]``, the prompt from ``cfg.prompt_key`` or from the transcript.
+
+    An empty (or whitespace-only) response is refused: ``where`` names the file, row and key.
+    """
+    if cfg.prompt_key:
+        prompt, response = render_prompt(row[cfg.prompt_key], tokenizer, cfg), _response_text(row[key], where)
+    else:
+        prompt, response = _split_conversation(row[key], tokenizer, cfg, where)
+    if not response.strip():
+        raise DataError(f"{where}: the response is empty; drop the row or fix it")
+    return prompt, response
+
+
+def _encode_parts(tokenizer: Any, prompt: str, response: str, max_len: int, where: str) -> tuple[list, list]:
+    """(prompt ids, response ids + EOS), untruncated; the prompt is refused at ``max_len`` tokens (see encode)."""
+    prompt_ids = encode_prompt(tokenizer, prompt, max_len, where)
+    return prompt_ids, tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def _pairs(
+    cfg: DataConfig, tokenizer: Any, split: str, storage_options: dict | None
+) -> tuple[str, list[tuple[tuple, tuple]]]:
+    """(source, [(chosen, rejected)]), each side (prompt text, prompt ids, response ids + EOS), checked.
+
+    Refused rows (one-line DataError naming file, row and key): a missing or empty key, an empty response, and
+    chosen equal to rejected (the same text after rendering, or the same token ids within ``max_len``).
+    """
     source, rows = _rows(cfg, split, storage_options)
     keys = ([cfg.prompt_key] if cfg.prompt_key else []) + [cfg.chosen_key, cfg.rejected_key]
     require_keys(rows, keys, source)
     out = []
     for i, row in enumerate(rows, start=1):
         where = f"{source} row {i}"
-        pair = {}
-        for name, key in (("chosen_ids", cfg.chosen_key), ("rejected_ids", cfg.rejected_key)):
-            if cfg.prompt_key:
-                prompt, response = render_prompt(row[cfg.prompt_key], tokenizer, cfg), row[key]
-            else:
-                prompt, response = _split_conversation(row[key], tokenizer, cfg, f"{where} key '{key}'")
-            pair[name], _ = encode(tokenizer, prompt, response, cfg.max_len, where)
-        out.append(pair)
+        sides, texts = [], []
+        for key in (cfg.chosen_key, cfg.rejected_key):
+            prompt, response = _prompt_and_response(row, key, tokenizer, cfg, f"{where} key '{key}'")
+            prompt_ids, response_ids = _encode_parts(tokenizer, prompt, response, cfg.max_len, where)
+            sides.append((prompt, prompt_ids, response_ids))
+            texts.append(prompt + response)
+        (_, cp, cr), (_, rp, rr) = sides
+        same = None
+        if texts[0] == texts[1]:
+            same = "text"
+        elif cp + cr == rp + rr:
+            same = "token ids"
+        elif (cp + cr)[: cfg.max_len] == (rp + rr)[: cfg.max_len]:
+            same = f"token ids within data.max_len {cfg.max_len}"
+        if same is not None:
+            raise DataError(
+                f"{where} keys '{cfg.chosen_key}' and '{cfg.rejected_key}': chosen and rejected are the same "
+                f"{same}, so the pair prefers nothing; drop the row or fix it"
+            )
+        out.append((sides[0], sides[1]))
+    return source, out
+
+
+def preference_examples(
+    cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None
+) -> list:
+    """[{'chosen_ids', 'rejected_ids', 'chosen_prompt_len', 'rejected_prompt_len'}] for the reward model and DPO.
+
+    ``*_prompt_len`` counts the prompt tokens at the start of each sequence (they may differ with HH transcripts);
+    the tokens after them are the response and its EOS, truncated to ``max_len``.  Bad rows are refused: see
+    :func:`_pairs`.
+    """
+    _, pairs = _pairs(cfg, tokenizer, split, storage_options)
+    out = []
+    for (_, cp, cr), (_, rp, rr) in pairs:
+        out.append({
+            "chosen_ids": (cp + cr)[: cfg.max_len],
+            "rejected_ids": (rp + rr)[: cfg.max_len],
+            "chosen_prompt_len": len(cp),
+            "rejected_prompt_len": len(rp),
+        })  # fmt: skip
+    return out
+
+
+def _label(row: dict, key: str, where: str) -> bool:
+    """The 'desirable' label of an unpaired KTO row: true/false or 1/0."""
+    if key not in row:
+        present = ", ".join(map(str, row.keys())) or "none"
+        raise DataError(f"{where} key '{key}': missing (row has keys: {present}); add the label or drop the row")
+    value = row[key]
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise DataError(
+        f"{where} key '{key}': the label must be true/false or 1/0, got {value!r}; fix the label or drop the row"
+    )
+
+
+def kto_examples(
+    cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None
+) -> list[dict]:
+    """[{'input_ids', 'prompt_len', 'desirable', 'kl_ids', 'kl_prompt_len'}] for KTO.
+
+    With ``label_key: null`` the rows are preference pairs (checked as in :func:`preference_examples`) and each
+    gives two examples, chosen (desirable) then rejected (undesirable).  Otherwise each row is one example:
+    ``prompt_key``, ``response_key`` and the boolean (or 0/1) ``label_key``; with ``prompt_key: null`` the
+    response key holds the whole transcript (HH text or a message list).
+
+    ``kl_ids`` is a mismatched pair for KTO's KL reference point: this example's prompt ids followed by the
+    response ids (with EOS) of the next example, cyclically in dataset order, whose prompt text differs;
+    ``kl_prompt_len`` is its prompt length.  Both sequences are truncated to ``max_len``.  A dataset without both
+    desirable and undesirable examples, or with a single distinct prompt, is refused.
+    """
+    items: list[tuple[str, list[int], list[int], bool]] = []  # (prompt text, prompt ids, response ids, desirable)
+    if cfg.label_key is None:
+        source, pairs = _pairs(cfg, tokenizer, split, storage_options)
+        for chosen, rejected in pairs:
+            items += [(*chosen, True), (*rejected, False)]
+    else:
+        source, rows = _rows(cfg, split, storage_options)
+        require_keys(rows, ([cfg.prompt_key] if cfg.prompt_key else []) + [cfg.response_key], source)
+        for i, row in enumerate(rows, start=1):
+            where = f"{source} row {i}"
+            desirable = _label(row, cfg.label_key, where)
+            prompt, response = _prompt_and_response(
+                row, cfg.response_key, tokenizer, cfg, f"{where} key '{cfg.response_key}'"
+            )
+            items.append((prompt, *_encode_parts(tokenizer, prompt, response, cfg.max_len, where), desirable))
+    labels = {d for *_, d in items}
+    if labels != {True, False}:
+        kind = "desirable" if True in labels else "undesirable"
+        how = f"labelled by key '{cfg.label_key}'" if cfg.label_key else "from pairs"
+        raise DataError(
+            f"{source}: every example ({how}) is {kind}; KTO needs both desirable and undesirable examples"
+        )
+    # next[k]: the first index after k (in the list repeated twice) whose prompt text differs from that of k
+    n, texts = len(items), [it[0] for it in items] * 2
+    nxt: list[int | None] = [None] * (2 * n)
+    for k in range(2 * n - 2, -1, -1):
+        nxt[k] = k + 1 if texts[k + 1] != texts[k] else nxt[k + 1]
+    out = []
+    for k, (_, prompt_ids, response_ids, desirable) in enumerate(items):
+        j = nxt[k]
+        if j is None or j - k >= n:
+            raise DataError(
+                f"{source}: every example has the same prompt; KTO needs at least two distinct prompts "
+                "(its KL reference point pairs each prompt with another prompt's response)"
+            )
+        out.append({
+            "input_ids": (prompt_ids + response_ids)[: cfg.max_len],
+            "prompt_len": len(prompt_ids),
+            "desirable": desirable,
+            "kl_ids": (prompt_ids + items[j % n][2])[: cfg.max_len],
+            "kl_prompt_len": len(prompt_ids),
+        })  # fmt: skip
     return out
 
 

@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,14 @@ from rlhf_core import events, timing
 from rlhf_core.config import (
     STAGE_PREFIX,
     ConfigError,
+    DataConfig,
     PipelineConfig,
     PPOConfig,
     StrategyConfig,
     load_config,
     stage_hash,
 )
+from rlhf_core.data.datasets import dataset_uri
 from rlhf_core.data.sampler import total_steps
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.distributed.trainer import StageContext, newest_checkpoint
@@ -193,21 +195,26 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     """Hash the stage's config (with the hashes of the upstream outputs it reads) and look for its output; only when
     there is work to do, fetch its models (verifying upstream files), each distinct path once.
 
-    ``models`` maps a role to its ``ModelConfig``; default ``{"model": section.model}``.
+    ``models`` maps a role to its ``ModelConfig``; default (None) ``{"model": section.model}``; ``{}`` for a stage
+    that reads no model.
     """
     section = cfg.stage(stage)
-    models = models or {"model": section.model}
+    models = {"model": section.model} if models is None else models
     store = open_store(cfg)
     keys = {role: f"{stage}.{role}.name_or_path" for role in models}
     upstream: dict[str, str] = {}
     for role, model in models.items():
         upstream.update(upstream_hash(store, model.name_or_path, keys[role]))
+    data_keys = stage_data(stage, section)
+    for key, path in data_keys.items():
+        upstream.update(upstream_hash(store, path, key))
     config_hash = stage_hash(section, upstream)
     done = existing_output(store, stage, config_hash)
     if done is not None:
         print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
         return StageSetup(stage, section, store, "", {}, upstream, config_hash, done)
     check_resumable(store, stage, section, config_hash)
+    section = resolve_data(store, section, data_keys)
     work = work_dir(stage)
     fetched: dict[str, tuple[str, ModelSource]] = {}
     for role, model in models.items():
@@ -218,6 +225,30 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     paths = {role: fetched[model.name_or_path][0] for role, model in models.items()}
     sources = {role: fetched[model.name_or_path][1] for role, model in models.items()}
     return StageSetup(stage, section, store, work, paths, upstream, config_hash, None, sources)
+
+
+def stage_data(stage: str, section: Any) -> dict[str, str]:
+    """{config key: stage:<name>} of the section's data paths that name an earlier stage's dataset."""
+    out = {}
+    for field_name, value in vars(section).items():
+        if isinstance(value, DataConfig):
+            for key in ("train_path", "eval_path"):
+                path = getattr(value, key)
+                if path is not None and path.startswith(STAGE_PREFIX):
+                    out[f"{stage}.{field_name}.{key}"] = path
+    return out
+
+
+def resolve_data(store: ObjectStore, section: Any, data_keys: dict[str, str]) -> Any:
+    """The section with each ``stage:<name>`` data path replaced by the URI of that stage's committed dataset file
+    (its manifest verified first); the config hash keeps the ``stage:`` form, so moving the run changes nothing."""
+    changes: dict[str, dict[str, str]] = {}
+    for key, path in data_keys.items():
+        _, field_name, leaf = key.rsplit(".", 2)
+        changes.setdefault(field_name, {})[leaf] = dataset_uri(store, path[len(STAGE_PREFIX) :], key)
+    if not changes:
+        return section
+    return replace(section, **{name: replace(getattr(section, name), **paths) for name, paths in changes.items()})
 
 
 def check_resumable(store: ObjectStore, stage: str, section: Any, config_hash: str) -> None:

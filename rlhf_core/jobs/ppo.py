@@ -59,7 +59,16 @@ from rlhf_core.algos.ppo import (
     normalize_scores,
     token_rewards,
 )
-from rlhf_core.config import ConfigError, PipelineConfig, PPOAlgoConfig, PPOConfig, StrategyConfig, TrainConfig
+from rlhf_core.config import (
+    ConfigError,
+    ModelConfig,
+    PipelineConfig,
+    PPOAlgoConfig,
+    PPOConfig,
+    RolloutConfig,
+    StrategyConfig,
+    TrainConfig,
+)
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed import launcher
@@ -214,14 +223,34 @@ def reward_stats(stage: str, p: PPOConfig, reward_path: str) -> tuple[float, flo
     )
 
 
-def load_gold(spec: str | None) -> Callable[[str, str], float] | None:
+def load_gold(spec: str | None, key: str = "train.gold_reward") -> Callable[[str, str], float] | None:
+    """The gold-reward function ``module:function`` (None for None); a ConfigError naming ``key`` when it cannot be
+    imported."""
     if spec is None:
         return None
     module, _, name = spec.partition(":")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"'train.gold_reward' = {spec!r} cannot be imported ({e})") from None
+        raise ConfigError(f"'{key}' = {spec!r} cannot be imported ({e})") from None
+
+
+def engine_kwargs(
+    r: RolloutConfig, model: ModelConfig, precision: str, device: str, seed: int, max_len: int
+) -> dict[str, Any]:
+    """Constructor kwargs of the rollout engines (``create_engines``) for ``r.backend``, sampling the policy ``model``
+    (its tokenizer, remote code, and for the HF backend its build seed) in ``precision`` on ``device``: the PPO
+    engines and the generate stage's."""
+    kwargs: dict[str, Any] = {"seed": seed, "tokenizer": model.tokenizer, "trust_remote_code": model.trust_remote_code}
+    kwargs["dtype"] = "bfloat16" if precision == "bf16" else "float32"
+    if r.backend == "vllm":
+        eager = (device != "cuda") if r.enforce_eager is None else r.enforce_eager  # null: eager on CPU only
+        kwargs.update(max_model_len=max_len + r.max_new_tokens, kv_cache_gib=r.kv_cache_gib,
+                      gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep=r.enable_sleep,
+                      enforce_eager=eager)  # fmt: skip
+    else:  # a builtin: policy is built, not loaded: the engine must build it with the policy's seed
+        kwargs["init_seed"] = model.init_seed
+    return kwargs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -362,19 +391,7 @@ class PPOController:
 
     def _engine_kwargs(self) -> dict:
         p = self.p
-        kwargs: dict[str, Any] = {"seed": p.train.seed, "tokenizer": p.actor.tokenizer,
-                                  "trust_remote_code": p.actor.trust_remote_code}  # fmt: skip
-        dtype = "bfloat16" if p.actor_strategy.precision == "bf16" else "float32"
-        kwargs["dtype"] = dtype
-        if p.rollout.backend == "vllm":
-            r = p.rollout
-            eager = (self.device != "cuda") if r.enforce_eager is None else r.enforce_eager  # null: eager on CPU only
-            kwargs.update(max_model_len=p.data.max_len + r.max_new_tokens, kv_cache_gib=r.kv_cache_gib,
-                          gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep=r.enable_sleep,
-                          enforce_eager=eager)  # fmt: skip
-        else:  # a builtin: actor is built, not loaded: the engine must build it with the actor's seed
-            kwargs["init_seed"] = p.actor.init_seed
-        return kwargs
+        return engine_kwargs(p.rollout, p.actor, p.actor_strategy.precision, self.device, p.train.seed, p.data.max_len)
 
     def shutdown(self) -> None:
         for group in (self.actor, self.critic, self.reward, self.reference, self.engines):

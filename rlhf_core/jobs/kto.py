@@ -1,0 +1,108 @@
+"""KTO stage: Kahneman-Tversky Optimization (Ethayarajh et al., 2024) of a policy on desirable and undesirable
+examples, against a frozen reference.
+
+The examples are unpaired rows (``data.label_key``: a boolean per prompt/response) or come from preference pairs
+(chosen desirable, rejected undesirable). With r = s_pi - s_ref (summed response log-probs) and the KL reference
+point z = max(0, mean(s_pi - s_ref)) over mismatched prompt/response pairs (each prompt with another example's
+response, as in the paper; averaged over the ranks), the loss of a desirable example is
+``desirable_weight * (1 - sigmoid(beta * (r - z)))``, of an undesirable one
+``undesirable_weight * (1 - sigmoid(beta * (z - r)))``. Writes ``<run_uri>/<stage>/`` like the DPO stage.
+
+    python -m rlhf_core.jobs.kto --config deployments/configs/tiny-kto.yaml
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlhf_core.algos.preference import kl_reference_point, kto_loss
+from rlhf_core.config import KTOConfig, PipelineConfig
+from rlhf_core.data.examples import kto_examples
+from rlhf_core.distributed.node_files import ModelSource
+from rlhf_core.jobs import common
+from rlhf_core.jobs.preference import PreferenceImpl, PreferenceKind, response_logprobs, run_preference
+from rlhf_core.types import CheckpointRef
+
+KIND = "kto"
+
+
+class KTOImpl(PreferenceImpl):
+    def __init__(self, p: KTOConfig, reference: ModelSource | None = None):
+        super().__init__(p, reference)
+        self.beta, self.weights = p.beta, (p.desirable_weight, p.undesirable_weight)
+
+    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        """The examples' rows first, then their mismatched (KL) rows, in one (2B, T) batch."""
+        seqs = [(e["input_ids"], e["prompt_len"]) for e in examples] + [
+            (e["kl_ids"], e["kl_prompt_len"]) for e in examples
+        ]
+        refs = None
+        if "ref_logp" in examples[0]:
+            refs = [e["ref_logp"] for e in examples] + [e["ref_kl_logp"] for e in examples]
+        batch = self.tensors(seqs, refs, pad_id)
+        batch["desirable"] = torch.tensor([bool(e["desirable"]) for e in examples])
+        return batch
+
+    def _stats(self, model, batch: dict[str, torch.Tensor]):
+        half = batch["desirable"].numel()
+        rows = {k: v[:half] for k, v in batch.items() if k != "desirable"}
+        mismatched = {k: v[half:] for k, v in batch.items() if k != "desirable"}
+        logps, _ = response_logprobs(model, rows, self.packing)
+        with torch.no_grad():  # the reference point is a constant of the loss: no graph for the mismatched rows
+            kl_logps, _ = response_logprobs(model, mismatched, self.packing)
+        kl = kl_reference_point(kl_logps, self.reference_logps(mismatched), clamp=False)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # one reference point for the whole step
+            dist.all_reduce(kl)
+            kl = kl / dist.get_world_size()
+        return kto_loss(logps, self.reference_logps(rows), batch["desirable"], None, None, self.beta, *self.weights,
+                        kl=kl)  # fmt: skip
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        stats = self._stats(model, batch)
+        good = batch["desirable"].to(stats.rewards.device)
+        # the same keys on every rank and micro-batch (the trainer all-reduces each): 0 for a side the batch lacks
+        means = {"chosen_reward": 0.0, "rejected_reward": 0.0, "margin": 0.0, **_reward_means(stats.rewards, good)}
+        return stats.loss, {"kl": stats.kl.item(), **means}
+
+    @torch.no_grad()
+    def evaluate(self, model, batches) -> dict[str, float]:
+        total, count, rewards, good, kls = 0.0, 0, [], [], []
+        for batch in batches:
+            stats = self._stats(model, batch)
+            n = batch["desirable"].numel()
+            total, count = total + stats.loss.item() * n, count + n
+            rewards.append(stats.rewards.float().cpu())
+            good.append(batch["desirable"].cpu())
+            kls.append(stats.kl.item())
+        means = _reward_means(torch.cat(rewards), torch.cat(good))
+        return {"eval_loss": total / count, "eval_kl": sum(kls) / len(kls), "eval_examples": count,
+                **{f"eval_{k}": v for k, v in means.items()}}  # fmt: skip
+
+
+def _reward_means(rewards: torch.Tensor, good: torch.Tensor) -> dict[str, float]:
+    """Mean implicit reward of the desirable and of the undesirable examples (those present) and their margin."""
+    out = {}
+    if good.any():
+        out["chosen_reward"] = rewards[good].mean().item()
+    if (~good).any():
+        out["rejected_reward"] = rewards[~good].mean().item()
+    if len(out) == 2:
+        out["margin"] = out["chosen_reward"] - out["rejected_reward"]
+    return out
+
+
+KTO = PreferenceKind(
+    examples=kto_examples,
+    sequences=lambda e: [(e["input_ids"], e["prompt_len"]), (e["kl_ids"], e["kl_prompt_len"])],
+    ref_keys=("ref_logp", "ref_kl_logp"),
+    impl=KTOImpl,
+)
+
+
+def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+    return run_preference(cfg, stage, KTO)
+
+
+if __name__ == "__main__":
+    common.main(KIND, run)

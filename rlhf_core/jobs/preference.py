@@ -1,0 +1,218 @@
+"""What the DPO and KTO stages share: response-only sequence log-probs, the frozen reference, and the stage job.
+
+Both score whole responses: the sum of the log-probs of the response tokens (EOS included) given the prompt, under
+the policy being trained and under a frozen reference (``<stage>.reference``, default the policy's starting model).
+The reference's numbers come one of two ways (``<stage>.ref_logprobs``):
+
+- ``precompute`` (default): before training, a Ray group of ``ReferencePolicy`` workers scores every training and
+  held-out sequence once; the numbers are committed as ``<run_uri>/<stage>/reference_logprobs/`` (manifest with the
+  stage's config hash), so that a resumed or retried stage reads them instead of recomputing, and the training ranks
+  hold no reference model;
+- ``online``: every rank keeps a frozen full copy of the reference and scores each micro-batch as it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf_core.algos.experience import SequenceBatch
+from rlhf_core.algos.preference import sequence_logprobs
+from rlhf_core.config import DPOConfig, KTOConfig, PipelineConfig, StrategyConfig
+from rlhf_core.data.examples import pad_right
+from rlhf_core.distributed import launcher
+from rlhf_core.distributed.node_files import ModelSource, local_model_path
+from rlhf_core.distributed.reference import ReferencePolicy
+from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer, write_entry
+from rlhf_core.jobs import common
+from rlhf_core.models.builders import build_causal_lm, load_tokenizer
+from rlhf_core.models.forward import causal_lm_logprobs
+from rlhf_core.types import CheckpointRef
+
+Sequence = tuple[list[int], int]  # token ids (prompt + response + EOS) and the prompt's length
+REFERENCE_REL = "reference_logprobs"
+CHUNK = 4096  # sequences per round trip to the reference workers
+
+
+def response_tensors(seqs: list[Sequence], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (1 on the response tokens)."""
+    ids = [s for s, _ in seqs]
+    return {
+        "input_ids": pad_right(ids, pad_id),
+        "attention_mask": pad_right([[1] * len(s) for s in ids], 0),
+        "loss_mask": pad_right([[0] * n + [1] * (len(s) - n) for s, n in seqs], 0),
+    }
+
+
+def response_logprobs(model: Any, batch: dict[str, torch.Tensor], pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B,) summed response log-probs, (B, T-1) token log-probs) of the batch's rows under ``model``."""
+    action = batch["loss_mask"][:, 1:]
+    tokens = causal_lm_logprobs(model, batch["input_ids"], batch["attention_mask"], action, pack=pack)
+    return sequence_logprobs(tokens, action.to(tokens.dtype)), tokens
+
+
+class FrozenReference:
+    """The online reference of one rank: built on first use (outside ZeRO-3's partitioned init, so it is a full
+    copy), on the policy's device, never trained."""
+
+    def __init__(self, source: ModelSource, init_seed: int, trust_remote_code: bool, packing: bool):
+        self.source, self.init_seed, self.trust_remote_code, self.packing = (
+            source,
+            init_seed,
+            trust_remote_code,
+            packing,
+        )
+        self.model: torch.nn.Module | None = None
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, torch.Tensor], tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.Tensor:
+        if self.model is None:
+            path = local_model_path(self.source)
+            model = build_causal_lm(path, tokenizer, seed=self.init_seed, dtype=dtype, attn=attn,
+                                    trust_remote_code=self.trust_remote_code)  # fmt: skip
+            self.model = model.to(batch["input_ids"].device).eval().requires_grad_(False)
+        return response_logprobs(self.model, batch, self.packing)[0]
+
+
+class PreferenceImpl:
+    """The parts of a DPO/KTO ``StageImpl`` that do not depend on the loss: the policy, the reference numbers."""
+
+    def __init__(self, p: DPOConfig | KTOConfig, reference: ModelSource | None):
+        self.p, self.packing = p, p.strategy.packing
+        ref = p.reference or p.model
+        self.online = (
+            FrozenReference(reference, ref.init_seed, ref.trust_remote_code, self.packing) if reference else None
+        )
+        self._build: tuple[Any, torch.dtype, str] | None = None
+
+    def build_model(self, ctx: StageContext, tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+        self._build = (tokenizer, dtype, attn)  # the online reference is built like the policy
+        return build_causal_lm(ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn,
+                               trust_remote_code=ctx.trust_remote_code)  # fmt: skip
+
+    def reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) reference log-probs of the batch's rows: the precomputed ones it carries, or the online copy's."""
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        assert self.online is not None and self._build is not None, "no reference log-probs and no online reference"
+        return self.online(batch, *self._build).to(batch["input_ids"].device)
+
+    def tensors(self, seqs: list[Sequence], refs: list[float] | None, pad_id: int) -> dict[str, torch.Tensor]:
+        batch = response_tensors(seqs, pad_id)
+        if refs is not None:
+            batch["ref_logps"] = torch.tensor(refs, dtype=torch.float32)
+        return batch
+
+    def finalize(self, hf_model: Any, metrics: dict[str, float]) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Precomputed reference log-probs
+
+
+def precompute_reference(
+    st: common.StageSetup, p: DPOConfig | KTOConfig, splits: dict[str, list[Sequence]], pad_id: int
+) -> dict[str, list[float]]:
+    """Summed reference log-probs of every sequence of each split: read from ``<stage>/reference_logprobs/`` when it
+    was committed for this config hash, else computed on a ``ReferencePolicy`` group and committed there."""
+    store, rel = st.store, f"{st.stage}/{REFERENCE_REL}"
+    if store.is_complete(rel) and store.read_manifest(rel, verify=False).config_hash == st.config_hash:
+        saved = store.read_json(f"{rel}/logprobs.json")
+        if {k: len(v) for k, v in saved.items()} == {k: len(v) for k, v in splits.items()}:
+            print(f"[{st.stage}] reference log-probs from {store.uri(rel)}", flush=True)
+            return saved
+    ref = p.reference or p.model
+    s = p.strategy
+    group_cfg = StrategyConfig(num_workers=s.num_workers, precision=s.precision, device=s.device,
+                               cpus_per_worker=s.cpus_per_worker, threads_per_worker=s.threads_per_worker,
+                               resources=s.resources)  # fmt: skip
+    started = launcher.init_ray(min_cpus=s.num_workers * s.cpus_per_worker)
+    group = None
+    try:
+        group = launcher.RayWorkerGroup(
+            group_cfg, ReferencePolicy, st.sources["reference"], p.train.eval_batch_size, s.precision, ref.init_seed,
+            tokenizer_path=ref.tokenizer, trust_remote_code=ref.trust_remote_code, packing=s.packing, name="reference",
+        )  # fmt: skip
+        out = {name: _score(group, seqs, pad_id) for name, seqs in splits.items()}
+    finally:
+        if group is not None:
+            group.shutdown()
+        if started:
+            launcher.shutdown_ray()
+    store.prepare(rel)
+    files = {"logprobs.json": write_entry(store, f"{rel}/logprobs.json", json.dumps(out))}
+    store.commit(rel, stage=st.stage, config_hash=st.config_hash, files=files,
+                 extra={"sequences": {k: len(v) for k, v in out.items()}})  # fmt: skip
+    print(f"[{st.stage}] reference log-probs of {sum(map(len, out.values()))} sequences: {store.uri(rel)}", flush=True)
+    return out
+
+
+def _score(group: launcher.RayWorkerGroup[ReferencePolicy], seqs: list[Sequence], pad_id: int) -> list[float]:
+    workers, out = len(group), []
+    for lo in range(0, len(seqs), CHUNK):
+        chunk = seqs[lo : lo + CHUNK]
+        padded = chunk + [chunk[-1]] * (-len(chunk) % workers)  # every worker gets an equal shard
+        t = response_tensors(padded, pad_id)
+        action = t["loss_mask"][:, 1:]
+        batch = SequenceBatch(input_ids=t["input_ids"], attention_mask=t["attention_mask"], action_mask=action)
+        tokens = torch.cat(group.call_each(ReferencePolicy.logprobs, batch.shard(workers)))
+        out += sequence_logprobs(tokens, action.float())[: len(chunk)].tolist()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The stage job
+
+
+@dataclass(frozen=True)
+class PreferenceKind:
+    """How a DPO-like kind makes its examples and its ``StageImpl``."""
+
+    examples: Callable[..., list[dict]]  # (data cfg, tokenizer, split, storage options) -> examples
+    sequences: Callable[[dict], list[Sequence]]  # an example's sequences that need reference log-probs
+    ref_keys: tuple[str, ...]  # where those log-probs go in the example, in the same order
+    impl: Callable[[Any, ModelSource | None], Any]  # (section, online reference source or None) -> StageImpl
+
+
+def run_preference(cfg: PipelineConfig, stage: str, kind: PreferenceKind) -> CheckpointRef:
+    # 1. inputs: policy and reference, config hash, finished output
+    p = cfg.stage(stage)
+    st = common.setup_stage(cfg, stage, {"model": p.model, "reference": p.reference or p.model})
+    if st.done is not None:
+        return st.done
+
+    # 2. data, tokenized and checked before any worker starts
+    options = st.store.fs.storage_options
+    tokenizer = load_tokenizer(st.model_path, p.model.tokenizer, trust_remote_code=p.model.trust_remote_code)
+    train = kind.examples(p.data, tokenizer, "train", options)
+    held_out = kind.examples(p.data, tokenizer, "eval", options) if p.data.eval_path else []
+    common.check_steps(stage, p, len(train))
+
+    # 3. reference log-probs (precomputed: once, stored with the stage), then training on the Ray group
+    try:
+        if p.ref_logprobs == "precompute":
+            splits = {"train": train, "eval": held_out}
+            seqs = {name: [s for e in rows for s in kind.sequences(e)] for name, rows in splits.items() if rows}
+            logps = precompute_reference(st, p, seqs, tokenizer.pad_token_id)
+            for name, rows in splits.items():
+                _attach(rows, kind.ref_keys, logps.get(name, []))
+        impl = kind.impl(p, None if p.ref_logprobs == "precompute" else st.sources["reference"])
+        metrics = launcher.run_group(
+            p.strategy, SupervisedTrainer, impl, st.context(), train, held_out, key=f"{stage}.strategy"
+        )[0]
+    finally:
+        shutil.rmtree(st.work, ignore_errors=True)
+    return CheckpointRef(st.store.uri(stage), stage, metrics["steps"], st.config_hash, metrics)
+
+
+def _attach(rows: list[dict], keys: tuple[str, ...], values: Iterable[float]) -> None:
+    it = iter(values)
+    for row in rows:
+        for key in keys:
+            row[key] = next(it)

@@ -1,0 +1,238 @@
+"""Score stage: score (prompt, response) rows with a reward model or a reward function, then keep all of them, the
+best response per prompt (best-of-n, rejection sampling) or a (best, worst) pair per prompt (iterative DPO).
+
+Reads ``score.data.train_path`` (usually ``stage:<generate stage>``; ``prompt_key``, ``response_key``,
+``max_samples``). The scores are either a reward model's (``score.reward``: raw scores of rendered prompt +
+response + EOS, tokenized as the reward-model stage trained it, on a Ray group of ``score.strategy.num_workers``
+``RewardScorer`` workers, ``micro_batch_size`` rows per forward) or a function's (``score.reward_fn``:
+``module:function`` or ``path/to/file.py:function``, relative to the working directory, called once as
+``fn(prompts, responses)`` -> one finite float per row; e.g. ``rlhf_core/assets/reward_fns/gold.py:gold_rewards``).
+
+Writes ``<run_uri>/score/data.<output_format>`` committed by its manifest (``rlhf_core.data.datasets``) and
+``<run_uri>/score/metrics.json``. Selection: ``rlhf_core.data.selection``.
+
+    python -m rlhf_core.jobs.score --config PRESET score.select=pairs
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.config import ConfigError, PipelineConfig, ScoreConfig
+from rlhf_core.data.datasets import write_dataset
+from rlhf_core.data.examples import encode, render_prompt
+from rlhf_core.data.loading import DataError, load_rows, require_keys
+from rlhf_core.data.selection import select_all, select_best, select_pairs, selection_metrics
+from rlhf_core.jobs import common
+from rlhf_core.types import CheckpointRef
+
+KIND = "score"
+RewardFn = Callable[[list, list[str]], Sequence[float]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reward functions
+
+
+def load_reward_fn(spec: str, key: str) -> RewardFn:
+    """``module:function`` or ``path/to/file.py:function`` (a path relative to the working directory) as a
+    callable; a ConfigError naming ``key`` when the spec is malformed or cannot be imported."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"'{key}' = {spec!r} is not of the form module:function or path/to/file.py:function")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"'{key}' = {spec!r}: no file {path.resolve()} (paths are relative to {Path.cwd()})")
+        module_name = f"rlhf_reward_fn_{abs(hash(str(path.resolve())))}"
+        try:
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's file: any error at import is a bad reward_fn
+            sys.modules.pop(module_name, None)
+            raise ConfigError(f"'{key}' = {spec!r}: {path} cannot be imported ({type(e).__name__}: {e})") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise ConfigError(f"'{key}' = {spec!r}: module {where!r} cannot be imported ({type(e).__name__}: {e})") \
+                from None  # fmt: skip
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ConfigError(f"'{key}' = {spec!r}: {where} has no attribute {name!r}")
+    if not callable(fn):
+        raise ConfigError(f"'{key}' = {spec!r}: {where}.{name} is not callable (got {type(fn).__name__})")
+    return fn
+
+
+def call_reward_fn(fn: RewardFn, spec: str, key: str, prompts: list, responses: list[str]) -> list[float]:
+    """``fn(prompts, responses)`` checked: one finite float per row, else a ConfigError naming the function."""
+    label = f"'{key}' = {spec!r}"
+    out = fn(list(prompts), list(responses))
+    try:
+        values = list(out)
+    except TypeError:
+        raise ConfigError(f"{label} returned {type(out).__name__}, not a list of floats") from None
+    if len(values) != len(prompts):
+        raise ConfigError(f"{label} returned {len(values)} scores for {len(prompts)} rows")
+    scores = []
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{label} returned {v!r} for row {i + 1}, not a float") from None
+        if not math.isfinite(f):
+            raise ConfigError(f"{label} returned {f} for row {i + 1}: scores must be finite")
+        scores.append(f)
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rows and reward-model scores
+
+
+def load_scored_rows(s: ScoreConfig, stage: str, storage_options: dict | None) -> list[dict]:
+    """The rows to score (``max_samples`` of them), each with a usable prompt and a string response (possibly
+    empty: a sampled response can be); a DataError naming the file and row otherwise."""
+    d = s.data
+    if d.prompt_key is None:
+        raise ConfigError(f"'{stage}.data.prompt_key' is null: the score stage needs a prompt key")
+    source = d.train_path
+    rows = load_rows(source, split=d.train_split, storage_options=storage_options, max_rows=d.max_samples)
+    require_keys(rows, [d.prompt_key], source)
+    for i, row in enumerate(rows, start=1):
+        if d.response_key not in row:
+            present = ", ".join(map(str, row)) or "none"
+            raise DataError(f"missing (row has keys: {present})", source=source, row=i, key=d.response_key)
+        if not isinstance(row[d.response_key], str):
+            kind = type(row[d.response_key]).__name__
+            raise DataError(f"value is not a string (got {kind})", source=source, row=i, key=d.response_key)
+    return rows
+
+
+def reward_model_scores(st: common.StageSetup, rows: list[dict]) -> list[float]:
+    """Raw reward-model scores of rendered prompt + response + EOS (``encode``, as the reward-model stage trains),
+    on ``strategy.num_workers`` ``RewardScorer`` workers."""
+    from rlhf_core.algos.batching import make_sequences
+    from rlhf_core.distributed import launcher
+    from rlhf_core.distributed.reward import RewardScorer
+    from rlhf_core.models.builders import load_tokenizer
+
+    s: ScoreConfig = st.section
+    assert s.reward is not None
+    d = s.data
+    tokenizer = load_tokenizer(st.paths["reward"], s.reward.tokenizer, trust_remote_code=s.reward.trust_remote_code)
+    prompts, responses = [], []
+    for i, row in enumerate(rows, start=1):
+        text = render_prompt(row[d.prompt_key], tokenizer, d)
+        ids, prompt_len = encode(tokenizer, text, row[d.response_key], d.max_len, f"{d.train_path} row {i}")
+        prompts.append(ids[:prompt_len])
+        responses.append(ids[prompt_len:])
+    workers = s.strategy.num_workers
+    extra = (-len(rows)) % workers  # every worker gets as many rows: repeat the first, dropped after
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batch = make_sequences(prompts + prompts[:1] * extra, responses + responses[:1] * extra, pad_id)
+    cpus = workers * s.strategy.cpus_per_worker
+    started = launcher.init_ray(min_cpus=cpus)
+    group = None
+    try:
+        if s.strategy.resources:
+            launcher.check_resources(
+                {f"{st.stage}.strategy.resources": (workers, s.strategy.cpus_per_worker, s.strategy.resources)},
+                launcher.node_resources(),
+            )
+        have = launcher.cluster_resources().get("CPU", 0)
+        if cpus > have:
+            raise ConfigError(
+                f"'{st.stage}.strategy.num_workers' x cpus_per_worker = {cpus:g} CPUs, but the Ray cluster has "
+                f"{have:g}"
+            )
+        group = launcher.RayWorkerGroup(
+            s.strategy, RewardScorer, st.sources["reward"], s.micro_batch_size, s.strategy.precision,
+            tokenizer_path=s.reward.tokenizer, init_seed=s.reward.init_seed,
+            trust_remote_code=s.reward.trust_remote_code, packing=s.strategy.packing, name="reward",
+        )  # fmt: skip
+        parts = group.call_each(RewardScorer.scores, batch.shard(workers))
+    finally:
+        if group is not None:
+            group.shutdown()
+        if started:
+            launcher.shutdown_ray()
+    return [float(v) for part in parts for v in part.tolist()][: len(rows)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def select(s: ScoreConfig, stage: str, rows: list[dict], scores: list[float]) -> tuple[list[dict], dict[str, Any]]:
+    """The output rows for ``s.select`` and the metrics; a clear error when nothing would be kept."""
+    d = s.data
+    assert d.prompt_key is not None
+    dropped = 0
+    if s.select == "all":
+        out = select_all(rows, scores)
+    elif s.select == "best":
+        out, dropped = select_best(rows, scores, d.prompt_key, d.response_key, s.threshold)
+        if not out:
+            raise ConfigError(
+                f"'{stage}.threshold' = {s.threshold} drops every prompt of {d.train_path} (best score "
+                f"{max(scores):.4g}): lower it or set it to null"
+            )
+    else:
+        out, dropped = select_pairs(rows, scores, d.prompt_key, d.response_key)
+        if not out:
+            raise DataError(
+                "no prompt has two responses with different scores and texts: no pair to make (sample more "
+                "responses per prompt, or use select=best)",
+                source=d.train_path,
+            )
+    return out, selection_metrics(rows, scores, out, dropped, d.prompt_key, s.select)
+
+
+def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+    # 1. inputs: the reward function (checked before anything starts), config hash, finished output, reward model
+    s: ScoreConfig = cfg.stage(stage)
+    fn = load_reward_fn(s.reward_fn, f"{stage}.reward_fn") if s.reward_fn is not None else None
+    st = common.setup_stage(cfg, stage, {"reward": s.reward} if s.reward is not None else {})
+    if st.done is not None:
+        return st.done
+    s = st.section  # stage:<name> data paths resolved to the committed file
+    try:
+        # 2. rows, checked before any worker starts
+        rows = load_scored_rows(s, stage, st.store.fs.storage_options)
+        # 3. scores
+        if fn is not None:
+            assert s.reward_fn is not None and s.data.prompt_key is not None
+            prompts = [row[s.data.prompt_key] for row in rows]
+            responses = [row[s.data.response_key] for row in rows]
+            scores = call_reward_fn(fn, s.reward_fn, f"{stage}.reward_fn", prompts, responses)
+        else:
+            scores = reward_model_scores(st, rows)
+        # 4. selection and commit
+        out, metrics = select(s, stage, rows, scores)
+        metrics["scorer"] = "reward_fn" if fn is not None else "reward_model"
+        write_dataset(
+            st.store, stage, out, s.output_format, config_hash=st.config_hash, metrics=metrics,
+            extra={"upstream": st.upstream, "select": s.select},
+        )  # fmt: skip
+        st.store.write_json(f"{stage}/metrics.json", {"final": metrics})
+    finally:
+        if st.work:
+            shutil.rmtree(st.work, ignore_errors=True)
+    print(f"[{stage}] {metrics['rows_out']} of {metrics['rows_in']} rows kept (select={s.select})", flush=True)
+    return CheckpointRef(st.store.uri(stage), stage, 0, st.config_hash, metrics)
+
+
+if __name__ == "__main__":
+    common.main(KIND, run)
