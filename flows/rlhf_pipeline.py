@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from pydantic import BaseModel, Field
 
@@ -145,6 +145,13 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B
                 break
     summary = {"run_name": params.run_name, "run_uri": run_uri, "stages": rows,
                "state": "Failed" if failure else "Completed"}  # fmt: skip
+    if cfg.iterations:
+        summary["iterations"] = iteration_rows(cfg, refs)
+        create_table_artifact(
+            summary["iterations"], key="gold-per-iteration",
+            description=f"{params.run_name}: gold reward (and KL to the reference) per loop iteration; iteration 0 = "
+            "the stages before the loop",
+        )  # fmt: skip
     store.write_json("run_summary.json", summary)
     create_markdown_artifact(summary_markdown(summary), key="run-summary", description=f"{params.run_name}")
     if failure is not None:
@@ -165,7 +172,27 @@ def _local_config(cfg: PipelineConfig, run_name: str) -> str:
 KEY_METRICS = (
     "loss_start", "loss_end", "eval_accuracy", "reward_mean", "reward_std", "critic_loss", "gold_reward_before",
     "gold_reward_after", "rm_score_before", "rm_score_after", "kl_to_ref_after", "steps", "resumed_from_step",
+    "eval_margin", "gold_reward", "kl_to_ref", "responses", "rows_out", "score_mean",
 )  # fmt: skip
+
+
+ITERATION_METRICS = ("gold_reward", "kl_to_ref", "gold_reward_after", "kl_to_ref_after")
+
+
+def iteration_rows(cfg: PipelineConfig, refs: dict[str, dict]) -> list[dict]:
+    """One row per loop iteration (0: the stages outside the loop that ran before it) with the gold reward and KL
+    of each stage that measured them (``<stage>/<metric>``, loop stages under their name without ``_<i>``)."""
+    rows: dict[int, dict] = {}
+    for stage in cfg.order():
+        metrics = refs.get(stage, {}).get("metrics", {})
+        found = {k: metrics[k] for k in ITERATION_METRICS if metrics.get(k) is not None}
+        i = cfg.iterations.get(stage, 0)
+        if not found or (i == 0 and stage not in refs):
+            continue
+        base = stage.removesuffix(f"_{i}") if i else stage
+        row = rows.setdefault(i, {"iteration": i})
+        row.update({f"{base}/{k}": round(v, 4) for k, v in found.items()})
+    return [rows[i] for i in sorted(rows)]
 
 
 def _key_metrics(metrics: dict) -> dict:
@@ -180,6 +207,13 @@ def summary_markdown(summary: dict) -> str:
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.get("metrics", {}).items()
         )
         lines.append(f"| {row['stage']} | {row['state']} | {row['duration_s']} | {metrics} | `{row.get('uri', '')}` |")
+    if summary.get("iterations"):
+        columns = sorted({k for row in summary["iterations"] for k in row if k != "iteration"})
+        lines += ["", "Gold reward per iteration:", "", "| iteration | " + " | ".join(columns) + " |",
+                  "|---" * (len(columns) + 1) + "|"]  # fmt: skip
+        for row in summary["iterations"]:
+            cells = [str(row.get(c, "")) for c in columns]
+            lines.append(f"| {row['iteration']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -96,9 +96,13 @@ def ray_cpus(section: Any) -> float | None:
 
         return resource_demand(section, resolve_device(section.actor_strategy.device))["CPU"]
     strategy = getattr(section, "strategy", None)
-    if isinstance(strategy, StrategyConfig):  # sft, reward_model: launcher.run_group
-        return strategy.num_workers * strategy.cpus_per_worker
-    return None
+    if not isinstance(strategy, StrategyConfig):
+        return None
+    cpus = strategy.num_workers * strategy.cpus_per_worker  # training group (launcher.run_group), or frozen workers
+    rollout = getattr(section, "rollout", None)
+    if rollout is not None:  # generate: the engines too
+        cpus += rollout.num_engines * rollout.cpus_per_engine
+    return cpus
 
 
 def open_store(cfg: PipelineConfig) -> ObjectStore:

@@ -34,6 +34,7 @@ def runner(kind: str) -> Callable[[PipelineConfig, str], CheckpointRef]:
 SHOWN = (
     "loss_start", "loss_end", "eval_loss", "eval_accuracy", "reward_mean", "reward_std", "steps", "critic_loss",
     "gold_reward_before", "gold_reward_after", "rm_score_before", "rm_score_after", "kl_to_ref_after",
+    "eval_margin", "gold_reward", "kl_to_ref", "responses", "rows_out", "score_mean",
 )  # fmt: skip
 
 

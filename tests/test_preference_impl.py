@@ -1,0 +1,145 @@
+"""The DPO and KTO stage implementations on a fixed tiny model, in this process (no Ray): what the trainer's ranks run.
+
+At the start of training the policy is its own reference, so every log-ratio is 0: DPO's loss is log 2 and KTO's is
+(1 - sigmoid(0)) = 1/2 per example, with zero implicit rewards. Precomputed and online reference log-probs agree, and
+one optimizer step on the DPO loss raises the chosen responses' log-probs relative to the rejected ones.
+"""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_core.config import DPOConfig, KTOConfig, load_config
+from rlhf_core.jobs.dpo import DPOImpl
+from rlhf_core.jobs.kto import KTOImpl
+from rlhf_core.jobs.preference import response_logprobs
+from rlhf_core.models.builders import load_tokenizer
+from tests.conftest import ROOT
+
+TINY_DPO = ROOT / "deployments" / "configs" / "tiny-dpo.yaml"
+TINY_KTO = ROOT / "deployments" / "configs" / "tiny-kto.yaml"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin:tiny")
+
+
+def _ids(tokenizer, prompt: str, response: str) -> tuple[list[int], int]:
+    p = tokenizer(prompt)["input_ids"]
+    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return p + r, len(p)
+
+
+def _pairs(tokenizer) -> list[dict]:
+    rows = [
+        ("Write about the rain.", "The rain is good and kind.", "The rain is sad."),
+        ("Describe the forest in one sentence.", "The forest nice.", "The forest is cruel and bad and ugly."),
+        ("A sentence about the school?", "The school is wonderful.", "The school bad."),
+    ]
+    out = []
+    for prompt, chosen, rejected in rows:
+        (c, cp), (r, rp) = _ids(tokenizer, prompt, chosen), _ids(tokenizer, prompt, rejected)
+        out.append({"chosen_ids": c, "chosen_prompt_len": cp, "rejected_ids": r, "rejected_prompt_len": rp})
+    return out
+
+
+def _section(path, kind: str, *overrides: str):
+    return load_config(path, list(overrides)).stage(kind)
+
+
+def _ctx():
+    return SimpleNamespace(model_path="builtin:tiny", init_seed=0, trust_remote_code=False)
+
+
+def _policy(impl, tokenizer):
+    torch.manual_seed(0)
+    return impl.build_model(_ctx(), tokenizer, torch.float32, "sdpa")
+
+
+def _own_logps(model, impl, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return response_logprobs(model, batch, impl.packing)[0]
+
+
+def test_dpo_with_the_policy_as_reference_has_loss_log_2_online_and_precomputed(tokenizer):
+    p: DPOConfig = _section(TINY_DPO, "dpo")
+    examples = _pairs(tokenizer)
+    online = DPOImpl(p, reference="builtin:tiny")  # a frozen copy of the same seed-0 model
+    model = _policy(online, tokenizer)
+    batch = online.collate(examples, tokenizer.pad_token_id)
+    loss, metrics = online.loss(model, batch)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["chosen_reward"] == pytest.approx(0, abs=1e-6) and metrics["margin"] == pytest.approx(0, abs=1e-6)
+
+    # precomputed: the numbers travel in the examples (as run_preference attaches them)
+    own = _own_logps(model, online, batch)
+    n = len(examples)
+    for e, c, r in zip(examples, own[:n].tolist(), own[n:].tolist()):
+        e["ref_chosen"], e["ref_rejected"] = c, r
+    precomputed = DPOImpl(p)
+    loss_pre, _ = precomputed.loss(model, precomputed.collate(examples, tokenizer.pad_token_id))
+    assert loss_pre.item() == pytest.approx(loss.item(), abs=1e-6)
+
+
+def test_one_dpo_step_raises_the_chosen_over_the_rejected(tokenizer):
+    p: DPOConfig = _section(TINY_DPO, "dpo")
+    impl = DPOImpl(p, reference="builtin:tiny")
+    model = _policy(impl, tokenizer)
+    batch = impl.collate(_pairs(tokenizer), tokenizer.pad_token_id)
+    before = _own_logps(model, impl, batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss, _ = impl.loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    after = _own_logps(model, impl, batch)
+    n = len(after) // 2
+    margin = lambda x: (x[:n] - x[n:]).mean().item()  # noqa: E731
+    assert margin(after) > margin(before)
+    loss_after, metrics = impl.loss(model, batch)
+    assert loss_after.item() < math.log(2) and metrics["acc"] > 0 and metrics["margin"] > 0
+
+
+def test_ipo_and_the_nll_term_change_the_loss(tokenizer):
+    examples = _pairs(tokenizer)
+    losses = {}
+    for name, overrides in {
+        "dpo": (),
+        "ipo": ("dpo.loss_type=ipo",),
+        "nll": ("dpo.nll_loss_coef=1.0",),
+    }.items():
+        impl = DPOImpl(_section(TINY_DPO, "dpo", *overrides), reference="builtin:tiny")
+        model = _policy(impl, tokenizer)
+        loss, metrics = impl.loss(model, impl.collate(examples, tokenizer.pad_token_id))
+        losses[name] = (loss.item(), metrics)
+    beta = 0.1
+    assert losses["ipo"][0] == pytest.approx((1 / (2 * beta)) ** 2, rel=1e-5)  # logits 0: (0 - 1/(2 beta))^2 = 25
+    # log 2 plus the mean NLL per chosen token, which a random tiny model puts near log(vocab)
+    assert losses["nll"][0] == pytest.approx(math.log(2) + losses["nll"][1]["nll"], abs=1e-5)
+    assert losses["nll"][1]["nll"] > 1.0
+
+
+def test_kto_with_the_policy_as_reference_gives_one_half_and_zero_kl(tokenizer):
+    p: KTOConfig = _section(TINY_KTO, "kto")
+    examples = []
+    pairs = _pairs(tokenizer)
+    for i, pair in enumerate(pairs):
+        other = pairs[(i + 1) % len(pairs)]  # another prompt's response: the mismatched (KL) sequence
+        for good, key in ((True, "chosen"), (False, "rejected")):
+            prompt_len = pair[f"{key}_prompt_len"]
+            prompt = pair[f"{key}_ids"][:prompt_len]
+            response = other[f"{key}_ids"][other[f"{key}_prompt_len"] :]
+            examples.append({"input_ids": pair[f"{key}_ids"], "prompt_len": prompt_len, "desirable": good,
+                             "kl_ids": prompt + response, "kl_prompt_len": prompt_len})  # fmt: skip
+    impl = KTOImpl(p, reference="builtin:tiny")
+    model = _policy(impl, tokenizer)
+    batch = impl.collate(examples, tokenizer.pad_token_id)
+    loss, metrics = impl.loss(model, batch)
+    # r = 0 and z = 0: each example loses 1 - sigmoid(0) = 0.5, weights 1
+    assert loss.item() == pytest.approx(0.5, abs=1e-6)
+    assert metrics["kl"] == pytest.approx(0, abs=1e-6) and metrics["chosen_reward"] == pytest.approx(0, abs=1e-6)
+    weighted = KTOImpl(_section(TINY_KTO, "kto", "kto.desirable_weight=2.0"), reference="builtin:tiny")
+    loss_w, _ = weighted.loss(_policy(weighted, tokenizer), weighted.collate(examples, tokenizer.pad_token_id))
+    assert loss_w.item() == pytest.approx((3 * 2 * 0.5 + 3 * 0.5) / 6, abs=1e-6)  # 0.75
