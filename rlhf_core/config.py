@@ -371,7 +371,9 @@ class StageKind:
 _PREFERENCE_KEYS = ("data.prompt_key", "data.chosen_key", "data.rejected_key")
 _GENERATED_KEYS = ("data.response_key", "data.label_key")
 _PROMPT_ONLY = frozenset(("data.output_key", *_PREFERENCE_KEYS, *_GENERATED_KEYS))
-_NOT_TRAINED = ("strategy.zero_stage", "strategy.offload_optimizer", "strategy.gradient_checkpointing")
+# frozen workers (generate's log-prob groups, score's reward model) pick their attention themselves (FrozenStrategy)
+_NOT_TRAINED = ("strategy.zero_stage", "strategy.offload_optimizer", "strategy.gradient_checkpointing",
+                "strategy.attn_implementation")  # fmt: skip
 _NOT_SYNCED = ("rollout.enable_sleep", "rollout.weight_sync_backend", "rollout.weight_sync_bucket_mb")
 _ACTOR_OPTIM = tuple(f"actor_optim.{f.name}" for f in dataclasses.fields(OptimConfig))
 

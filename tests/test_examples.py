@@ -1,4 +1,4 @@
-"""Prompt formatting and tokenization of SFT, preference (reward model, DPO) and KTO rows, and their refusal of bad rows."""
+"""Prompt formatting and tokenization of SFT, preference (reward model, DPO) and KTO rows; refusal of bad rows."""
 
 import json
 
@@ -94,6 +94,13 @@ def test_missing_key_names_file_row_and_key(tmp_path, tok):
 # Preference pairs (reward model, DPO): prompt lengths and refusal of bad pairs
 
 GOOD = {"prompt": "Say hi.", "chosen": "Hello there.", "rejected": "Go away."}
+GOOD_HH = {"chosen": "\n\nHuman: hi\n\nAssistant: yes", "rejected": "\n\nHuman: hi\n\nAssistant: no"}
+
+
+def prompt_of(tok, ids, prompt_len):
+    """The text of the first ``prompt_len`` tokens, which start with BOS."""
+    assert ids[0] == tok.bos_token_id
+    return tok.decode(ids[:prompt_len]).removeprefix(tok.bos_token)
 
 
 def test_preference_prompt_lens_mark_where_the_responses_start(tmp_path, tok):
@@ -116,7 +123,7 @@ def test_hh_preference_prompt_lens_may_differ(tmp_path, tok):
     for side, text in (("chosen", chosen), ("rejected", rejected)):
         ids, n = pair[f"{side}_ids"], pair[f"{side}_prompt_len"]
         prompt, response = split_hh(text, "w")
-        assert tok.decode(ids[:n], skip_special_tokens=True) == prompt
+        assert prompt_of(tok, ids, n) == prompt
         assert tok.decode(ids[n:-1]) == response
 
 
@@ -190,7 +197,7 @@ def test_pair_identical_within_max_len_is_refused(tmp_path, tok):
     ],
 )
 def test_pair_with_an_empty_response_is_refused(tmp_path, tok, row, prompt_key, key):
-    path = write_jsonl(tmp_path / "empty.jsonl", [GOOD, row])
+    path = write_jsonl(tmp_path / "empty.jsonl", [GOOD if prompt_key else GOOD_HH, row])
     _refused(path, DataConfig(train_path=path, prompt_key=prompt_key), tok, "row 2", f"'{key}'")
 
 
@@ -216,7 +223,7 @@ def test_kto_from_pairs_gives_two_examples_per_pair(tmp_path, tok):
     assert [e["desirable"] for e in examples] == [True, False, True, False]
     responses = [tok.decode(e["input_ids"][e["prompt_len"] : -1]) for e in examples]
     assert responses == ["Hello.", "No.", "Blue.", "Dog."]
-    prompts = [tok.decode(e["input_ids"][: e["prompt_len"]], skip_special_tokens=True) for e in examples]
+    prompts = [prompt_of(tok, e["input_ids"], e["prompt_len"]) for e in examples]
     assert prompts == ["<|user|>Say hi.\n<|assistant|>"] * 2 + ["<|user|>Name a colour.\n<|assistant|>"] * 2
     assert all(e["input_ids"][-1] == tok.eos_token_id for e in examples)
     assert {"input_ids", "prompt_len", "desirable", "kl_ids", "kl_prompt_len"} == set(examples[0])
@@ -241,7 +248,7 @@ def test_kto_kl_ids_pair_each_prompt_with_another_prompts_response(tmp_path, tok
         assert e["kl_ids"][: e["kl_prompt_len"]] == e["input_ids"][: e["prompt_len"]]
         assert e["kl_ids"][e["kl_prompt_len"] :] == p["input_ids"][p["prompt_len"] :]
         assert e["kl_ids"][-1] == tok.eos_token_id
-        mine = tok.decode(e["input_ids"][: e["prompt_len"]], skip_special_tokens=True)
+        mine = prompt_of(tok, e["input_ids"], e["prompt_len"])
         assert mine == f"<|user|>{rows[i]['q']}\n<|assistant|>"
         assert tok.decode(e["kl_ids"][e["kl_prompt_len"] : -1]) == rows[partner[i]]["a"] != rows[i]["a"]
         assert rows[partner[i]]["q"] != rows[i]["q"]
@@ -266,10 +273,7 @@ def test_kto_unpaired_transcripts_with_prompt_key_null(tmp_path, tok):
     path = write_jsonl(tmp_path / "t.jsonl", rows)
     cfg = DataConfig(train_path=path, prompt_key=None, response_key="text", label_key="label")
     first, second = kto_examples(cfg, tok)
-    assert (
-        tok.decode(first["input_ids"][: first["prompt_len"]], skip_special_tokens=True)
-        == "\n\nHuman: hi\n\nAssistant:"
-    )
+    assert prompt_of(tok, first["input_ids"], first["prompt_len"]) == "\n\nHuman: hi\n\nAssistant:"
     assert tok.decode(first["input_ids"][first["prompt_len"] : -1]) == " hello"
     assert tok.decode(second["input_ids"][second["prompt_len"] : -1]) == "ciao"
     assert tok.decode(first["kl_ids"][first["kl_prompt_len"] : -1]) == "ciao"

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.algos.losses import masked_mean, masked_sum
+from .losses import masked_mean, masked_sum
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 

@@ -23,6 +23,7 @@ from rlhf_core.config import (
     STAGE_PREFIX,
     ConfigError,
     DataConfig,
+    GenerateConfig,
     PipelineConfig,
     PPOConfig,
     StrategyConfig,
@@ -95,14 +96,14 @@ def ray_cpus(section: Any) -> float | None:
         from rlhf_core.jobs.ppo import resource_demand
 
         return resource_demand(section, resolve_device(section.actor_strategy.device))["CPU"]
+    if isinstance(section, GenerateConfig):  # the engines and, with a reference, two log-prob groups
+        from rlhf_core.jobs.generate import resource_groups
+
+        return sum(n * cpus for n, cpus, _ in resource_groups("generate", section).values())
     strategy = getattr(section, "strategy", None)
-    if not isinstance(strategy, StrategyConfig):
-        return None
-    cpus = strategy.num_workers * strategy.cpus_per_worker  # training group (launcher.run_group), or frozen workers
-    rollout = getattr(section, "rollout", None)
-    if rollout is not None:  # generate: the engines too
-        cpus += rollout.num_engines * rollout.cpus_per_engine
-    return cpus
+    if isinstance(strategy, StrategyConfig):  # sft, reward_model, dpo, kto, score: one group
+        return strategy.num_workers * strategy.cpus_per_worker
+    return None
 
 
 def open_store(cfg: PipelineConfig) -> ObjectStore:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rlhf_core.algos.preference import kl_reference_point, kto_loss
 from rlhf_core.config import KTOConfig, PipelineConfig
 from rlhf_core.data.examples import kto_examples
+from rlhf_core.distributed import device
 from rlhf_core.distributed.node_files import ModelSource
 from rlhf_core.jobs import common
 from rlhf_core.jobs.preference import PreferenceImpl, PreferenceKind, response_logprobs, run_preference
@@ -52,9 +53,8 @@ class KTOImpl(PreferenceImpl):
         with torch.no_grad():  # the reference point is a constant of the loss: no graph for the mismatched rows
             kl_logps, _ = response_logprobs(model, mismatched, self.packing)
         kl = kl_reference_point(kl_logps, self.reference_logps(mismatched), clamp=False)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # one reference point for the whole step
-            dist.all_reduce(kl)
-            kl = kl / dist.get_world_size()
+        if device.initialized():  # one reference point for the whole step, averaged over the ranks
+            kl = device.all_reduce_sum(kl.detach().clone()) / dist.get_world_size()
         return kto_loss(logps, self.reference_logps(rows), batch["desirable"], None, None, self.beta, *self.weights,
                         kl=kl)  # fmt: skip
 

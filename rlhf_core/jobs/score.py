@@ -221,10 +221,9 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
             scores = reward_model_scores(st, rows)
         # 4. selection and commit
         out, metrics = select(s, stage, rows, scores)
-        metrics["scorer"] = "reward_fn" if fn is not None else "reward_model"
         write_dataset(
             st.store, stage, out, s.output_format, config_hash=st.config_hash, metrics=metrics,
-            extra={"upstream": st.upstream, "select": s.select},
+            extra={"upstream": st.upstream, "select": s.select, "scorer": "reward_fn" if fn else "reward_model"},
         )  # fmt: skip
         st.store.write_json(f"{stage}/metrics.json", {"final": metrics})
     finally:

@@ -1,0 +1,218 @@
+"""Generate stage: sample ``rollout.n_samples_per_prompt`` responses per prompt from a policy and commit them as a
+dataset (the input of a score stage: best-of-n, rejection sampling, iterative DPO).
+
+Reads the policy (``generate.model``, e.g. ``stage:sft``) and prompts (``generate.data``: ``input_key``,
+``max_samples``, the prompt rendering keys); the rollout engines are PPO's (``generate.rollout``: backend vllm or
+hf, num_engines, tensor_parallel_size, cpus_per_engine, kv_cache_gib, gpu_memory_utilization, enforce_eager,
+resources; precision and device from ``generate.strategy``), sampling with temperature, top_p, max_new_tokens and
+``generate.seed``. A ``builtin:`` policy with the vLLM backend is saved once to the driver's scratch directory for
+vLLM to load (the engines must then run on the driver's machine).
+
+Each row: ``prompt`` (the raw prompt value), ``response`` (decoded, special tokens skipped), ``prompt_index``,
+``sample_index``, ``response_tokens`` (sampled tokens, EOS included), ``finish_reason`` (``stop``: ended with EOS;
+``length``: cut at max_new_tokens), ``gold_reward`` with ``generate.gold_reward``, and ``kl_to_ref`` with
+``generate.reference``: KL(policy || reference) of the response, k1 summed over its tokens, sum(logp_policy -
+logp_ref) at the rollout temperature, both log-probs from frozen ``ReferencePolicy`` groups of
+``strategy.num_workers`` workers.
+
+Writes ``<run_uri>/generate/data.<output_format>`` committed by its manifest (``rlhf_core.data.datasets``) and
+``<run_uri>/generate/metrics.json``.
+
+    python -m rlhf_core.jobs.generate --config PRESET generate.rollout.backend=hf generate.rollout.max_new_tokens=64
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_core.config import ConfigError, GenerateConfig, PipelineConfig
+from rlhf_core.data.datasets import write_dataset
+from rlhf_core.data.examples import prompt_examples
+from rlhf_core.distributed.device import resolve_device
+from rlhf_core.jobs import common
+from rlhf_core.jobs.ppo import engine_kwargs, load_gold
+from rlhf_core.models.builders import BUILTIN_PREFIX, build_causal_lm, load_tokenizer
+from rlhf_core.types import CheckpointRef
+
+KIND = "generate"
+KL_MICRO_BATCH = 16  # rows per forward of the KL log-prob workers
+
+
+def _prompt_text(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+
+
+def resource_groups(stage: str, g: GenerateConfig) -> dict[str, tuple[int, float, dict[str, float]]]:
+    """{config key of the resources: (actors, CPUs each, custom resources each)} of the engines and, with a
+    reference, the two log-prob groups (policy and reference)."""
+    r, s = g.rollout, g.strategy
+    groups = {f"{stage}.rollout.resources": (r.num_engines, r.cpus_per_engine, r.resources)}
+    if g.reference is not None:
+        groups[f"{stage}.strategy.resources"] = (2 * s.num_workers, s.cpus_per_worker, s.resources)
+    return groups
+
+
+def check_fits(stage: str, g: GenerateConfig, available: dict[str, float], nodes: list[dict[str, float]]) -> None:
+    """Refuse what the Ray cluster cannot place, naming the keys, before any actor starts."""
+    from rlhf_core.distributed import launcher
+
+    groups = resource_groups(stage, g)
+    launcher.check_resources({k: v for k, v in groups.items() if v[0] and v[2]}, nodes)
+    cpus = sum(n * c for n, c, _ in groups.values())
+    if cpus > available.get("CPU", 0):
+        raise ConfigError(
+            f"{stage}: the engines and log-prob workers need {cpus:g} CPUs but the Ray cluster has "
+            f"{available.get('CPU', 0):g}; lower '{stage}.rollout.num_engines', '{stage}.rollout.cpus_per_engine' "
+            f"or '{stage}.strategy.num_workers'"
+        )
+
+
+def engine_model(st: common.StageSetup, g: GenerateConfig, tokenizer: Any) -> Any:
+    """What the engines load: the policy's worker source; a ``builtin:`` policy for vLLM (which loads directories
+    only) built with its init_seed and saved to the scratch directory first."""
+    source = st.sources["model"]
+    if g.rollout.backend != "vllm" or not str(source).startswith(BUILTIN_PREFIX):
+        return source
+    path = Path(st.work) / "builtin_policy"
+    model = build_causal_lm(str(source), tokenizer, seed=g.model.init_seed, dtype=torch.float32, attn="sdpa")
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+def kl_to_reference(
+    st: common.StageSetup, g: GenerateConfig, prompt_ids: list[list[int]], responses: list[list[int]], pad_id: int,
+    groups: tuple[Any, Any],
+) -> list[float]:  # fmt: skip
+    """Per response, sum over its tokens of logp_policy - logp_ref (k1), at the rollout temperature."""
+    from rlhf_core.algos.batching import make_sequences
+    from rlhf_core.distributed import launcher
+    from rlhf_core.distributed.reference import ReferencePolicy
+
+    policy, reference = groups
+    workers = g.strategy.num_workers
+    n = len(responses) // len(prompt_ids)
+    expanded = [ids for ids in prompt_ids for _ in range(n)]
+    extra = (-len(responses)) % workers  # every worker gets as many rows: repeat the first, dropped after
+    seq = make_sequences(expanded + expanded[:1] * extra, responses + responses[:1] * extra, pad_id)
+    refs = {
+        "policy": policy.call_each_async(ReferencePolicy.logprobs, seq.shard(workers)),
+        "reference": reference.call_each_async(ReferencePolicy.logprobs, seq.shard(workers)),
+    }
+    out = {name: torch.cat(launcher.wait(r)) for name, r in refs.items()}
+    mask = seq.action_mask.to(out["policy"].dtype)
+    return ((out["policy"] - out["reference"]) * mask).sum(1)[: len(responses)].tolist()
+
+
+def logprob_groups(st: common.StageSetup, g: GenerateConfig) -> tuple[Any, Any]:
+    """Two frozen ``ReferencePolicy`` groups of ``strategy.num_workers``: the policy's and the reference's (they
+    start in the background while the engines generate)."""
+    from rlhf_core.distributed import launcher
+    from rlhf_core.distributed.reference import ReferencePolicy
+
+    assert g.reference is not None
+    made = []
+    for role, model in (("model", g.model), ("reference", g.reference)):
+        group = launcher.RayWorkerGroup(
+            g.strategy, ReferencePolicy, st.sources[role], KL_MICRO_BATCH, g.strategy.precision, model.init_seed,
+            temperature=g.rollout.temperature, tokenizer_path=model.tokenizer,
+            trust_remote_code=model.trust_remote_code, packing=g.strategy.packing, name=f"logprobs_{role}",
+        )  # fmt: skip
+        made.append(group)
+    return made[0], made[1]
+
+
+def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+    from rlhf_core.distributed import launcher
+    from rlhf_core.distributed.rollout_engine import EngineGroup, SamplingConfig, create_engines
+
+    # 1. inputs: config hash (with upstream hashes), finished output, then the models
+    g: GenerateConfig = cfg.stage(stage)
+    models = {"model": g.model, **({"reference": g.reference} if g.reference is not None else {})}
+    gold = load_gold(g.gold_reward, f"{stage}.gold_reward")
+    st = common.setup_stage(cfg, stage, models)
+    if st.done is not None:
+        return st.done
+    g = st.section
+    r = g.rollout
+    engines: Any = None
+    groups: tuple[Any, Any] | None = None
+    started = False
+    try:
+        # 2. prompts, checked before any actor starts
+        tokenizer = load_tokenizer(st.model_path, g.model.tokenizer, trust_remote_code=g.model.trust_remote_code)
+        prompts = prompt_examples(g.data, tokenizer, "train", st.store.fs.storage_options)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        device = resolve_device(g.strategy.device)
+
+        # 3. engines (and the log-prob groups), then sampling
+        demand = sum(n * c for n, c, _ in resource_groups(stage, g).values())
+        started = launcher.init_ray(min_cpus=demand)
+        check_fits(stage, g, launcher.cluster_resources(), launcher.node_resources())
+        kwargs = engine_kwargs(r, g.model, g.strategy.precision, device, g.seed, g.data.max_len)
+        handles = create_engines(
+            r.num_engines, engine_model(st, g, tokenizer), backend=r.backend, resources=r.resources,
+            tensor_parallel_size=r.tensor_parallel_size, num_cpus_per_engine=r.cpus_per_engine, **kwargs,
+        )  # fmt: skip
+        engines = EngineGroup(handles, tokenizer.eos_token_id)
+        if g.reference is not None:
+            groups = logprob_groups(st, g)
+        engines.wait_ready()
+        prompt_ids = [e["prompt_ids"] for e in prompts]
+        sampling = SamplingConfig(n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                  max_new_tokens=r.max_new_tokens, seed=g.seed)  # fmt: skip
+        responses = engines.generate(prompt_ids, sampling)
+        n = r.n_samples_per_prompt
+        if len(responses) != n * len(prompts):
+            raise RuntimeError(f"the engines returned {len(responses)} responses for {len(prompts)} prompts x {n}")
+        engines.shutdown()
+        engines = None
+        kl = kl_to_reference(st, g, prompt_ids, responses, pad_id, groups) if groups is not None else None
+
+        # 4. rows, metrics, commit
+        rows = []
+        for k, tokens in enumerate(responses):
+            i, j = divmod(k, n)
+            row = {
+                "prompt": prompts[i]["prompt"], "response": tokenizer.decode(tokens, skip_special_tokens=True),
+                "prompt_index": i, "sample_index": j, "response_tokens": len(tokens),
+                "finish_reason": "stop" if tokens and tokens[-1] == tokenizer.eos_token_id else "length",
+            }  # fmt: skip
+            if gold is not None:
+                row["gold_reward"] = float(gold(_prompt_text(row["prompt"]), row["response"]))
+            if kl is not None:
+                row["kl_to_ref"] = kl[k]
+            rows.append(row)
+        metrics: dict[str, Any] = {
+            "prompts": len(prompts), "responses": len(rows), "responses_per_prompt": len(rows) / len(prompts),
+            "response_tokens_mean": sum(row["response_tokens"] for row in rows) / len(rows),
+            "truncated": sum(row["finish_reason"] == "length" for row in rows) / len(rows),
+        }  # fmt: skip
+        if gold is not None:
+            metrics["gold_reward"] = sum(row["gold_reward"] for row in rows) / len(rows)
+        if kl is not None:
+            metrics["kl_to_ref"] = sum(kl) / len(kl)
+        write_dataset(
+            st.store, stage, rows, g.output_format, config_hash=st.config_hash, metrics=metrics,
+            extra={"upstream": st.upstream, "backend": r.backend},
+        )  # fmt: skip
+        st.store.write_json(f"{stage}/metrics.json", {"final": metrics})
+    finally:
+        if engines is not None:
+            engines.shutdown()
+        for group in groups or ():
+            group.shutdown()
+        if started:
+            launcher.shutdown_ray()
+        shutil.rmtree(st.work, ignore_errors=True)
+    print(f"[{stage}] {len(rows)} responses to {len(prompts)} prompts", flush=True)
+    return CheckpointRef(st.store.uri(stage), stage, 0, st.config_hash, metrics)
+
+
+if __name__ == "__main__":
+    common.main(KIND, run)
