@@ -42,6 +42,12 @@ def select_all(rows: Sequence[dict], scores: Sequence[float]) -> list[dict]:
     return [{**row, "score": float(s)} for row, s in zip(rows, scores)]
 
 
+def _candidates(rows: Sequence[dict], group: list[int], response_key: str) -> list[int]:
+    """The group's rows with a non-empty response: best-of-n and pairs feed SFT and DPO, which refuse empty ones
+    (a policy can sample EOS at once)."""
+    return [i for i in group if str(rows[i][response_key]).strip()]
+
+
 def _best_row(row: dict, score: float, prompt_key: str, response_key: str) -> dict:
     rest = {k: v for k, v in row.items() if k not in (prompt_key, response_key, "score")}
     return {"prompt": row[prompt_key], "response": row[response_key], "score": float(score), **rest}
@@ -51,10 +57,15 @@ def select_best(
     rows: Sequence[dict], scores: Sequence[float], prompt_key: str, response_key: str, threshold: float | None = None
 ) -> tuple[list[dict], int]:
     """(the best-scoring row of each prompt as {prompt, response, score, ...its other fields}, prompts dropped):
-    a prompt whose best score is below ``threshold`` (when given) is dropped."""
+    a prompt whose best score is below ``threshold`` (when given), or with only empty responses, is dropped. Empty
+    responses are never selected."""
     _check(rows, scores)
     out, dropped = [], 0
     for group in group_rows(rows, prompt_key):
+        group = _candidates(rows, group, response_key)
+        if not group:
+            dropped += 1
+            continue
         best = max(group, key=lambda i: scores[i])  # the first of equal scores
         if threshold is not None and scores[best] < threshold:
             dropped += 1
@@ -67,11 +78,15 @@ def select_pairs(
     rows: Sequence[dict], scores: Sequence[float], prompt_key: str, response_key: str
 ) -> tuple[list[dict], int]:
     """(one {prompt, chosen, rejected, chosen_score, rejected_score} per prompt, chosen its best-scoring response and
-    rejected its worst, prompts skipped): a prompt is skipped when its best and worst scores are equal (one response,
-    or a tie) or their texts are the same."""
+    rejected its worst among its non-empty responses, prompts skipped): a prompt is skipped when its best and worst
+    scores are equal (one response, or a tie) or their texts are the same."""
     _check(rows, scores)
     out, skipped = [], 0
     for group in group_rows(rows, prompt_key):
+        group = _candidates(rows, group, response_key)
+        if not group:
+            skipped += 1
+            continue
         best = max(group, key=lambda i: scores[i])
         worst = min(group, key=lambda i: scores[i])
         chosen, rejected = rows[best][response_key], rows[worst][response_key]

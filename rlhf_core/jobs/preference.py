@@ -186,6 +186,7 @@ def run_preference(cfg: PipelineConfig, stage: str, kind: PreferenceKind) -> Che
     st = common.setup_stage(cfg, stage, {"model": p.model, "reference": p.reference or p.model})
     if st.done is not None:
         return st.done
+    p = st.section  # its stage: data paths resolved to the committed datasets
 
     # 2. data, tokenized and checked before any worker starts
     options = st.store.fs.storage_options

@@ -73,6 +73,17 @@ def test_select_pairs_best_against_worst_skipping_ties_and_identical_texts():
     assert skipped == 2  # b: equal scores; c: the same text
 
 
+def test_empty_responses_are_never_selected():
+    # a policy can sample EOS at once: SFT and DPO refuse empty responses, so best-of-n and pairs pass them over
+    rows = [{"prompt": "a", "response": r, "prompt_index": 0} for r in ("", "ok", " ", "fine")]
+    rows += [{"prompt": "b", "response": "", "prompt_index": 1}]
+    scores = [5.0, 1.0, -9.0, 2.0, 3.0]
+    best, dropped = select_best(rows, scores, "prompt", "response")
+    assert [(r["prompt"], r["response"]) for r in best] == [("a", "fine")] and dropped == 1
+    pairs, skipped = select_pairs(rows, scores, "prompt", "response")
+    assert [(r["chosen"], r["rejected"]) for r in pairs] == [("fine", "ok")] and skipped == 1
+
+
 def test_rows_group_by_prompt_value_without_prompt_index():
     chat = [{"role": "user", "content": "hi"}]
     rows = [{"q": "a", "r": "1"}, {"q": chat, "r": "2"}, {"q": "a", "r": "3"}, {"q": list(chat), "r": "4"}]
@@ -174,7 +185,7 @@ def test_a_threshold_that_drops_every_prompt_is_refused(tmp_path):
 
 def test_score_stage_with_a_reward_function_commits_pairs_as_parquet(tmp_path):
     """The whole score job on a fixture file, no Ray (a reward function): pairs of best and worst per prompt, ties,
-    identical texts and single responses skipped; an empty response is scored like any other."""
+    identical texts and single responses skipped; an empty response is scored (select=all) but never paired."""
     fixture = ROOT / "tests" / "data" / "generate_score" / "generated.jsonl"
     cfg = cfg_for(tmp_path, f"score_fn.data.train_path={fixture}", "score_fn.select=pairs",
                   "score_fn.output_format=parquet")  # fmt: skip
@@ -182,13 +193,12 @@ def test_score_stage_with_a_reward_function_commits_pairs_as_parquet(tmp_path):
     store = ObjectStore(str(tmp_path))
     assert store.read_manifest("score_fn", verify=True).extra["dataset"] == "data.parquet"
     pairs = read_dataset(store, "score_fn")
-    assert [(p["chosen"], p["rejected"]) for p in pairs] == [
-        ("The garden is good and kind.", "The garden is sad."), ("The sea is happy.", "")
-    ]  # fmt: skip
+    assert [(p["chosen"], p["rejected"]) for p in pairs] == [("The garden is good and kind.", "The garden is sad.")]
     assert pairs[0]["chosen_score"] == pytest.approx(2 / 6) and pairs[0]["rejected_score"] == pytest.approx(-1 / 4)
     m = ref.metrics
-    assert (m["rows_in"], m["rows_out"], m["prompts"], m["prompts_dropped"]) == (8, 2, 4, 2)
-    assert m["margin_mean"] == pytest.approx(((2 / 6 + 1 / 4) + 1 / 4) / 2)
+    # the sea's only non-empty response has nothing to pair with: skipped with the river (tie) and moon (one row)
+    assert (m["rows_in"], m["rows_out"], m["prompts"], m["prompts_dropped"]) == (8, 1, 4, 3)
+    assert m["margin_mean"] == pytest.approx(2 / 6 + 1 / 4)
     # max_samples: only the first rows are scored; select=all keeps every one of them with its score
     ref = score.run(cfg_for(tmp_path, f"score_fn.data.train_path={fixture}", "score_fn.select=all",
                             "score_fn.data.max_samples=3"), "score_fn")  # fmt: skip
