@@ -15,6 +15,11 @@ in this process on a one-rank DeepSpeed world: ``PPOController.start()`` (or the
 transport swapped for in-process calls (``in_process_roles``), so that what is observed is what the controller gave
 each role and what the real role classes built and computed from it. Keys that only act inside a job's loop share
 one job run per distinct config (the cache ignores the run directory).
+
+The dpo, kto, generate and score kinds are probed on their own preset (``METHODS``), mostly without Ray: their jobs
+run in this process (``in_process_workers``) with their worker groups local, Ray's cluster a stand-in and the rollout
+engines recorded; a DPO/KTO job's training group is replaced by its first step on the policy (``first_step``). The
+loop keys are probed on the stage graph of ``LOOP``.
 """
 
 from __future__ import annotations
@@ -47,19 +52,24 @@ from rlhf_core.config import (
     TrainConfig,
     describe,
     load_config,
+    stage_hash,
     to_dict,
 )
-from rlhf_core.data.examples import preference_examples, sft_examples
+from rlhf_core.data.datasets import read_dataset
+from rlhf_core.data.examples import kto_examples, preference_examples, sft_examples
 from rlhf_core.data.sampler import global_batch, total_steps
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.device import resolve_device
+from rlhf_core.distributed.node_files import local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
-from rlhf_core.jobs import common, critic_init, reward_model, sft
+from rlhf_core.jobs import common, critic_init, dpo, kto, reward_model, sft
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, build_scalar_model, load_tokenizer
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT, TINY
 
 DATA = ROOT / "tests" / "data" / "config_keys"  # rows with alternative keys, and split folders (train/test/dev)
+METHODS = DATA / "methods.yaml"  # one stage of each of the kinds dpo, kto, generate and score, named after it
+LOOP = DATA / "loop.yaml"  # a loop of K = 2 iterations (generate -> score -> dpo, sft_best)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -119,6 +129,8 @@ def fingerprint(model: torch.nn.Module) -> dict:
 
 
 _EXAMPLES: dict[tuple, list] = {}
+MAKE_EXAMPLES = {"sft": sft_examples, "reward_model": preference_examples, "dpo": preference_examples,
+                 "kto": kto_examples}  # fmt: skip
 
 
 def _examples(cfg: PipelineConfig, stage: str, split: str) -> list:
@@ -126,13 +138,13 @@ def _examples(cfg: PipelineConfig, stage: str, split: str) -> list:
     key = (cfg.kind(stage), repr(st.section.data), repr(st.section.model), st.model_path, split)  # tokenized once
     if key not in _EXAMPLES:
         tokenizer = load_tokenizer(st.model_path, st.section.model.tokenizer)
-        make = sft_examples if cfg.kind(stage) == "sft" else preference_examples
-        _EXAMPLES[key] = make(st.section.data, tokenizer, split, st.store.fs.storage_options)
+        _EXAMPLES[key] = MAKE_EXAMPLES[cfg.kind(stage)](st.section.data, tokenizer, split, st.store.fs.storage_options)
     return _EXAMPLES[key]
 
 
 def train_examples(cfg: PipelineConfig, stage: str) -> Any:
-    """Training examples the job tokenizes (sft_examples / preference_examples of data, split 'train')."""
+    """Training examples the job tokenizes (sft_examples / preference_examples / kto_examples of data, split
+    'train')."""
     return outcome(lambda: _examples(cfg, stage, "train"))
 
 
@@ -145,6 +157,9 @@ def _stage_impl(cfg: PipelineConfig, stage: str):
     section = cfg.stage(stage)
     if cfg.kind(stage) == "sft":
         return sft.SFTImpl(section.strategy.packing)
+    if cfg.kind(stage) in ("dpo", "kto"):  # with its online reference (ref_logprobs: online), so that loss runs alone
+        impl = dpo.DPOImpl if cfg.kind(stage) == "dpo" else kto.KTOImpl
+        return impl(section, (section.reference or section.model).name_or_path)
     return reward_model.RewardModelImpl(section.margin, section.strategy.packing)
 
 
@@ -193,7 +208,7 @@ def loss_forwards(cfg: PipelineConfig, stage: str) -> list[tuple[int, bool]]:
     impl = _stage_impl(cfg, stage)
     tokenizer = load_tokenizer("builtin:tiny")
     model = impl.build_model(common.setup_stage(cfg, stage).context(), tokenizer, torch.float32, "sdpa")
-    examples = sorted(_examples(cfg, stage, "train")[:16], key=lambda e: len(e.get("input_ids", e.get("chosen_ids"))))
+    examples = sorted(_examples(cfg, stage, "train")[:16], key=lambda e: len(e.get("input_ids") or e["chosen_ids"]))
     calls: list[tuple[int, bool]] = []
     model.register_forward_pre_hook(forward_record(calls), with_kwargs=True)
     impl.loss(model, impl.collate(examples[:2] + examples[-2:], tokenizer.pad_token_id))
@@ -364,12 +379,40 @@ class RecordingRewardModelImpl(reward_model.RewardModelImpl):
         metrics["batch_sizes"] = list(self.batch_sizes)
 
 
+class _RecordsBatches:
+    """The batch sizes noted by a DPO/KTO impl, as RecordingRewardModelImpl notes them (their eval metrics are means
+    over the examples, so the batch sizes are what shows eval_batch_size)."""
+
+    batch_sizes: list[int]
+
+    def collate(self, examples, pad_id):
+        self.batch_sizes.append(len(examples))
+        return super().collate(examples, pad_id)  # type: ignore[misc]
+
+    def finalize(self, hf_model, metrics):
+        super().finalize(hf_model, metrics)  # type: ignore[misc]
+        metrics["batch_sizes"] = list(self.batch_sizes)
+
+
+class RecordingDPOImpl(_RecordsBatches, dpo.DPOImpl):
+    def __init__(self, p, reference=None):
+        super().__init__(p, reference)
+        self.batch_sizes = []
+
+
+class RecordingKTOImpl(_RecordsBatches, kto.KTOImpl):
+    def __init__(self, p, reference=None):
+        super().__init__(p, reference)
+        self.batch_sizes = []
+
+
 _JOBS: dict[str, dict] = {}
 
 
 def job_run(cfg: PipelineConfig, stage: str) -> dict:
     """The stage's job run for real, once per distinct config (jobs.sft.run / jobs.reward_model.run on Ray; ppo.run /
-    critic_warmup.run with their roles in this process): checkpoints kept, step events, metrics, the critic output."""
+    critic_warmup.run, dpo.run / kto.run with their groups in this process): checkpoints kept, step events, metrics,
+    the critic output."""
     key = content_key(cfg, stage)
     if key in _JOBS:
         return _JOBS[key]
@@ -377,14 +420,19 @@ def job_run(cfg: PipelineConfig, stage: str) -> dict:
     events_file = run_dir / "events.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
     saved_env, saved_impl = os.environ.get(events.EVENTS_ENV), reward_model.RewardModelImpl
+    saved_kinds = dpo.DPO, kto.KTO
     os.environ[events.EVENTS_ENV] = str(events_file)
     reward_model.RewardModelImpl = RecordingRewardModelImpl  # type: ignore[misc]
-    transport = in_process_roles() if cfg.kind(stage) in PPO_KINDS else contextlib.nullcontext()
+    dpo.DPO = dataclasses.replace(dpo.DPO, impl=RecordingDPOImpl)
+    kto.KTO = dataclasses.replace(kto.KTO, impl=RecordingKTOImpl)
+    in_process = PPO_KINDS + ("dpo", "kto")
+    transport = in_process_roles() if cfg.kind(stage) in in_process else contextlib.nullcontext()
     try:
         with transport:
             ref = job_module(cfg, stage).run(cfg, stage)
     finally:
         reward_model.RewardModelImpl = saved_impl  # type: ignore[misc]
+        dpo.DPO, kto.KTO = saved_kinds
         if saved_env is None:
             os.environ.pop(events.EVENTS_ENV, None)
         else:
@@ -614,10 +662,22 @@ KIND_CHANGES = {  # another kind whose section the stage's keys also make valid
     ),
     "critic_warmup": ("critic_warmup.kind=ppo",),
     "ppo": ("ppo.kind=critic_warmup",),  # on KIND_PRESETS["ppo"]: the tiny ppo stage sets actor_optim
+    # on METHODS, whose stages set only keys that the other kind also takes
+    "dpo": ("dpo.kind=kto",),
+    "kto": ("kto.kind=dpo",),
+    "generate": ("generate.kind=sft",),
+    "score": (
+        "score.kind=ppo",
+        "score.actor.name_or_path=builtin:tiny",
+        "score.critic.name_or_path=builtin:tiny",
+        "score.train.eval_prompts=0",
+    ),  # fmt: skip
 }
 # The tiny preset's ppo stage sets actor_optim, which a critic_warmup stage refuses: its kind changes on a preset
 # whose ppo stage sets only keys both kinds take.
 KIND_PRESETS = {"ppo": DATA / "ppo_both_kinds.yaml"}
+# The preset with a stage named after each kind: the tiny one for the first kinds, METHODS for the newer ones.
+KIND_HOMES = {"dpo": METHODS, "kto": METHODS, "generate": METHODS, "score": METHODS}
 
 # ---------------------------------------------------------------------------------------------------------------------
 # PPO sections (critic_warmup and ppo share PPOConfig): the controller's set-up and its advantage phase, in-process
@@ -1306,6 +1366,613 @@ def _ppo_section(kind: str) -> dict[str, Probe]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The jobs of the dpo, kto, generate and score kinds in this process, without Ray: their worker groups local, their
+# rollout engines recorded
+
+
+SESSION_CLUSTER = {"CPU": 8.0, "probe_node": 100.0}  # what the test session's Ray offers (tests/conftest.py)
+
+
+class LocalShards(LocalGroup):
+    """A job's frozen worker group (``launcher.RayWorkerGroup``: reference log-probs, reward scorers, generate's
+    log-prob groups) in this process: its ``num_workers`` ranks share one hosted object and each shard of
+    ``call_each`` runs on it. ``record``: what the job gave the group and the forwards of the hosted model."""
+
+    def __init__(self, cfg: StrategyConfig, factory: type, *args, name="worker", placement=None, share=1.0, **kwargs):
+        super().__init__(cfg, factory, *args, name=name, placement=placement, share=share, **kwargs)
+        model = getattr(self.obj, "model", None)
+        hf = getattr(model, "hf_model", model)
+        self.record: dict[str, Any] = {
+            "factory": factory.__name__, "name": name, "workers": cfg.num_workers,
+            "device": resolve_device(cfg.device), "args": [repr(a) for a in args],
+            "kwargs": {k: repr(v) for k, v in kwargs.items()},
+            "attn": getattr(getattr(hf, "config", None), "_attn_implementation", None), "shards": [], "forwards": [],
+        }  # fmt: skip
+        if isinstance(model, torch.nn.Module):
+            model.register_forward_pre_hook(forward_record(self.record["forwards"]), with_kwargs=True)
+
+    def __len__(self) -> int:
+        return self.cfg.num_workers
+
+    def call_each(self, method, shards, *args, **kwargs) -> list:
+        shards = list(shards)
+        assert len(shards) == len(self), f"{len(shards)} shards for {len(self)} workers"
+        launcher.check_call(self.cls, method, (shards[0], *args), kwargs)
+        self.record["shards"].append([s.size for s in shards])
+        return [method(self.obj, s, *args, **kwargs) for s in shards]
+
+    call_each_async = call_each
+
+
+def fixed_responses(count: int, eos_id: int) -> list[list[int]]:
+    """Stand-in samples: every third one cut without EOS (finish_reason 'length')."""
+    return [[5 + k % 7, 9 + k % 3, 11 if k % 3 == 0 else eos_id] for k in range(count)]
+
+
+def _engine_model(path: Any) -> Any:
+    """A model the engines load: its name, or for a directory (a builtin: policy saved for vLLM) a weight checksum."""
+    if not os.path.isdir(str(path)):
+        return str(path)
+    digest = hashlib.sha256()
+    for f in sorted(Path(str(path)).glob("*.safetensors")):
+        digest.update(f.read_bytes())
+    return {"saved": Path(str(path)).name, "weights": digest.hexdigest()[:16]}
+
+
+def first_step(cfg: StrategyConfig, factory: type, *args, key: str = "strategy") -> list[dict]:
+    """``launcher.run_group``'s stand-in for a DPO/KTO job: the rank's first step without DeepSpeed. The trainer the
+    job made (its impl, context and examples, with the reference log-probs the job attached) builds the policy as
+    fit() does, in fp32 with sdpa, and its impl.loss runs on the first four training examples."""
+    launcher.check_constructor(factory, args, {})
+    trainer = factory(*args)
+    impl, ctx = trainer.impl, trainer.ctx
+    ctx = dataclasses.replace(ctx, model_path=local_model_path(ctx.model_path))
+    tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
+    model = impl.build_model(ctx, tokenizer, torch.float32, "sdpa")
+    forwards: list[tuple[int, bool]] = []
+    model.register_forward_pre_hook(forward_record(forwards), with_kwargs=True)
+    loss, metrics = impl.loss(model, impl.collate(trainer.train_examples[:4], tokenizer.pad_token_id))
+    return [{
+        "steps": 0, "loss": round(loss.item(), 6), "step_metrics": {k: round(v, 6) for k, v in metrics.items()},
+        "online_reference": impl.online is not None, "policy_forwards": forwards,
+        "examples": (len(trainer.train_examples), len(trainer.eval_examples)),
+    }]  # fmt: skip
+
+
+@contextlib.contextmanager
+def in_process_workers():
+    """Within: the jobs' worker groups are ``LocalShards`` of this process, Ray is neither started nor asked
+    (``init_ray`` notes the CPUs asked for; the cluster is ``SESSION_CLUSTER``), ``run_group`` is ``first_step``,
+    and the rollout engines are recorded (``create_engines``' arguments, the prompts and ``SamplingConfig`` given to
+    ``generate``), answering ``fixed_responses``. Yields the record."""
+    from rlhf_core.distributed import rollout_engine
+
+    record: dict[str, Any] = {"init_ray": [], "groups": [], "engines": [], "generate": []}
+
+    class Group(LocalShards):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            record["groups"].append(self)
+
+    def create_engines(count, model_path, *, backend="vllm", tensor_parallel_size=1, num_cpus_per_engine=1,
+                       env_vars=None, placement=None, share=1.0, resources=None, **kwargs):  # fmt: skip
+        record["engines"].append({
+            "count": count, "model": _engine_model(model_path), "backend": backend, "tp": tensor_parallel_size,
+            "cpus": num_cpus_per_engine, "resources": resources, "kwargs": kwargs,
+        })  # fmt: skip
+        return [None] * count
+
+    class Engines:
+        def __init__(self, engines: list, eos_token_id: int, sleep: bool = False):
+            self.engines, self.eos = engines, eos_token_id
+
+        def wait_ready(self) -> None:
+            pass
+
+        def generate(self, prompt_ids, sampling):
+            record["generate"].append({"prompt_ids": prompt_ids, "sampling": dataclasses.asdict(sampling)})
+            return fixed_responses(len(prompt_ids) * sampling.n, self.eos)
+
+        def shutdown(self) -> None:
+            self.engines = []
+
+    swaps = [
+        (launcher, "RayWorkerGroup", Group),
+        (launcher, "init_ray", lambda min_cpus=1: record["init_ray"].append(min_cpus) or False),
+        (launcher, "cluster_resources", lambda: dict(SESSION_CLUSTER)),
+        (launcher, "node_resources", lambda: [dict(SESSION_CLUSTER)]),
+        (launcher, "wait", list),
+        (launcher, "shutdown_ray", lambda: None),
+        (launcher, "run_group", first_step),
+        (rollout_engine, "create_engines", create_engines),
+        (rollout_engine, "EngineGroup", Engines),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    for module, name, value in swaps:
+        setattr(module, name, value)
+    try:
+        yield record
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+_IN_PROCESS: dict[str, Any] = {}
+
+
+def in_process_job(cfg: PipelineConfig, stage: str) -> Any:
+    """The stage's job (dpo / kto / generate / score .run) in this process (``in_process_workers``), once per
+    distinct config: the CPUs it asks Ray for, its worker groups, the engines it starts and what it gives them, and
+    what it commits (a dataset's file and rows; the DPO/KTO first step and reference_logprobs/), with its metrics."""
+    key = content_key(cfg, stage)
+    if key not in _IN_PROCESS:
+
+        def run():
+            with in_process_workers() as record:
+                ref = job_module(cfg, stage).run(cfg, stage)
+            store = common.open_store(cfg)
+            out = {
+                "init_ray": record["init_ray"], "groups": [g.record for g in record["groups"]],
+                "strategies": [g.cfg for g in record["groups"]], "engines": record["engines"],
+                "generate": record["generate"], "metrics": ref.metrics,
+            }  # fmt: skip
+            if cfg.kind(stage) in ("dpo", "kto"):
+                out["reference_logprobs"] = store.is_complete(f"{stage}/{preference_rel()}")
+            else:
+                out["file"] = store.read_manifest(stage, verify=False).extra["dataset"]
+                out["rows"] = read_dataset(store, stage)
+            return out
+
+        _IN_PROCESS[key] = outcome(run)
+    return _IN_PROCESS[key]
+
+
+def preference_rel() -> str:
+    from rlhf_core.jobs.preference import REFERENCE_REL
+
+    return REFERENCE_REL
+
+
+def in_process_part(*path: str | int, doc: str):
+    """An observer of one part of ``in_process_job`` (the whole outcome when the job raised)."""
+
+    def observe(cfg: PipelineConfig, stage: str) -> Any:
+        out = in_process_job(cfg, stage)
+        if isinstance(out, tuple):  # ("raised", ...)
+            return out
+        for part in path:
+            out = out[part]
+        return out
+
+    observe.__name__ = "in_process_job:" + ".".join(map(str, path))
+    observe.__doc__ = doc
+    return observe
+
+
+first_step_of = in_process_part(
+    "metrics", doc="dpo/kto run in-process: the first step's loss, metrics, reference and forwards (first_step)."
+)
+job_output = in_process_part("rows", doc="The rows the job committed as its dataset (read back, verified).")
+job_file = in_process_part("file", doc="The dataset file the job committed.")
+
+
+def job_workers(cfg: PipelineConfig, stage: str) -> Any:
+    """A real Ray group started with the strategy the job (run in this process) gave its worker groups: what each rank
+    got."""
+    out = in_process_job(cfg, stage)
+    return out if isinstance(out, tuple) else group_report(out["strategies"][0])
+
+
+def stage_graph(cfg: PipelineConfig, stage: str) -> dict:
+    """The run's stage graph as the pipeline walks it (cfg.order()): each instance's kind, loop iteration (cfg.
+    iterations), the stages it reads and its config hash."""
+    return {
+        name: {"kind": cfg.kind(name), "iteration": cfg.iterations.get(name),
+               "upstream": cfg.spec(name).upstream_names(), "hash": stage_hash(cfg.stage(name))}
+        for name in cfg.order()
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The table: dpo and kto (TRAINING_SECTION, the preference data probes, their losses), generate, score, the loop
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(a), abs(b))
+
+
+def _raised_then_ran(a: Any, b: Any) -> bool:
+    return a[0] == "raised" and isinstance(b, dict)
+
+
+KTO_ROWS = f"{DATA / 'kto_unpaired.jsonl'}"  # pairs (chosen/rejected) and unpaired rows (response, answer, label)
+# KTO makes two examples of a pair: half the pairs give the job runs' 96 examples (6 steps, as JOB_BASE's 96 pairs)
+KTO_JOB = ("{stage}.data.max_samples=48",)
+
+
+def _preference_section(kind: str) -> dict[str, Probe]:
+    """What dpo and kto share: TRAINING_SECTION, the preference data probes, the reference and ref_logprobs."""
+    out = {**TRAINING_SECTION, **_data_probes("pref", PREFERENCE_KEYS)}
+    if kind == "kto":
+        for key in ("train.save_steps", "train.keep_last", "train.log_steps", "train.eval_batch_size"):
+            out[key] = dataclasses.replace(out[key], base=out[key].base + KTO_JOB)
+    out |= {
+        "reference.name_or_path": probe("{stage}.reference.name_or_path=builtin:small", observe=first_step_of),
+        "reference.tokenizer": probe("{stage}.reference.tokenizer={alt_tokenizer}", observe=first_step_of),
+        "reference.init_seed": probe("{stage}.reference.init_seed=2", observe=first_step_of),
+        "reference.trust_remote_code": probe(
+            "{stage}.reference.trust_remote_code=true",
+            observe=first_step_of,
+            base=("{stage}.reference.name_or_path={remote_code_model}",),
+            expect=_raised_then_ran,
+        ),
+        "ref_logprobs": probe(  # the same numbers, from an online copy on the rank instead of reference_logprobs/
+            "{stage}.ref_logprobs=online",
+            observe=in_process_part(
+                doc="dpo/kto run in-process: reference_logprobs/ committed, the first step's loss and reference."
+            ),
+            expect=lambda a, b: (
+                a["reference_logprobs"]
+                and not b["reference_logprobs"]
+                and len(a["groups"]) == 1
+                and not b["groups"]
+                and (a["metrics"]["online_reference"], b["metrics"]["online_reference"]) == (False, True)
+                and _close(a["metrics"]["loss"], b["metrics"]["loss"])
+            ),
+        ),
+        "beta": probe(
+            "{stage}.beta=0.2",
+            observe=first_step_of,
+            expect=lambda a, b: _close(2 * a["step_metrics"]["chosen_reward"], b["step_metrics"]["chosen_reward"]),
+        ),
+    }
+    return out
+
+
+DPO_SECTION = {
+    **_preference_section("dpo"),
+    # the implicit rewards stay, the loss of them changes
+    "loss_type": probe(
+        "{stage}.loss_type=ipo",
+        observe=first_step_of,
+        expect=lambda a, b: a["step_metrics"] == b["step_metrics"] and a["loss"] != b["loss"],
+    ),
+    "label_smoothing": probe(
+        "{stage}.label_smoothing=0.2",
+        observe=first_step_of,
+        expect=lambda a, b: a["step_metrics"] == b["step_metrics"] and a["loss"] != b["loss"],
+    ),
+    "nll_loss_coef": probe(
+        "{stage}.nll_loss_coef=1.0",
+        observe=first_step_of,
+        expect=lambda a, b: "nll" not in a["step_metrics"] and _close(b["loss"], a["loss"] + b["step_metrics"]["nll"]),
+    ),
+}
+KTO_SECTION = {
+    **_preference_section("kto"),
+    "data.label_key": probe(  # the same file: 8 pairs (16 examples) -> 8 labelled rows
+        "{stage}.data.label_key=label",
+        observe=train_examples,
+        base=(f"{{stage}}.data.train_path={KTO_ROWS}",),
+        expect=lambda a, b: len(a) == 16 and [e["desirable"] for e in b] == [True, False] * 4,
+    ),
+    "data.response_key": probe(
+        "{stage}.data.response_key=answer",
+        observe=train_examples,
+        base=(f"{{stage}}.data.train_path={KTO_ROWS}", "{stage}.data.label_key=label"),
+    ),
+    "desirable_weight": probe(
+        "{stage}.desirable_weight=2.0", observe=first_step_of, expect=lambda a, b: b["loss"] > a["loss"]
+    ),
+    "undesirable_weight": probe(
+        "{stage}.undesirable_weight=2.0", observe=first_step_of, expect=lambda a, b: b["loss"] > a["loss"]
+    ),
+}
+
+# generate: the HF engines, two samples per prompt of 8 tokens at most, and a reference (KL to it: log-prob groups)
+GENERATE_BASE = ("{stage}.rollout.backend=hf", "{stage}.rollout.max_new_tokens=8",
+                 "{stage}.rollout.n_samples_per_prompt=2", "{stage}.reference.name_or_path=builtin:tiny",
+                 "{stage}.reference.init_seed=1")  # fmt: skip
+VLLM = ("{stage}.rollout.backend=vllm",)
+engines_asked = in_process_part("engines", 0, doc="The engines the generate job starts (create_engines' arguments).")
+engine_kwargs_of = in_process_part("engines", 0, "kwargs", doc="The constructor kwargs generate gives its engines.")
+sampling_of = in_process_part("generate", 0, "sampling", doc="The SamplingConfig generate gives its engines.")
+prompts_of = in_process_part("generate", 0, "prompt_ids", doc="The prompts (token ids) generate gives its engines.")
+kl_groups = in_process_part("groups", doc="generate's log-prob groups (policy, reference): what each got, computed.")
+cpus_asked = in_process_part("init_ray", doc="The CPUs the job asks Ray for (launcher.init_ray(min_cpus)).")
+
+
+def _kl(rows: Any) -> Any:
+    return rows if isinstance(rows, tuple) else [r["kl_to_ref"] for r in rows]
+
+
+def kl_to_ref(cfg: PipelineConfig, stage: str) -> Any:
+    """The kl_to_ref of each row generate committed (its log-prob groups on the fixed responses)."""
+    return _kl(job_output(cfg, stage))
+
+
+GENERATE_SECTION: dict[str, Probe] = {
+    "model.name_or_path": probe(
+        "{stage}.model.name_or_path=builtin:small",
+        observe=engines_asked,
+        expect=lambda a, b: b["model"] == "builtin:small",
+    ),
+    "model.tokenizer": probe(
+        "{stage}.model.tokenizer={alt_tokenizer}", observe=engine_kwargs_of, expect=lambda a, b: b["tokenizer"]
+    ),
+    "model.init_seed": probe(  # the HF engines build a builtin: policy; for vLLM it is built and saved first
+        "{stage}.model.init_seed=1", observe=engines_asked, expect=lambda a, b: b["kwargs"]["init_seed"] == 1
+    ),
+    "model.trust_remote_code": probe(
+        "{stage}.model.trust_remote_code=true",
+        observe=in_process_part(doc="generate run in-process."),
+        base=("{stage}.model.name_or_path={remote_code_model}",),
+        expect=lambda a, b: _raised_then_ran(a, b) and b["engines"][0]["kwargs"]["trust_remote_code"],
+    ),
+    "data.train_path": probe(f"{{stage}}.data.train_path={PROMPT_ROWS}", observe=job_output),
+    "data.train_split": probe(
+        "{stage}.data.train_split=dev", observe=job_output, base=(f"{{stage}}.data.train_path={PROMPT_SPLITS}",)
+    ),
+    "data.max_len": probe(  # vLLM's context: prompt plus response
+        "{stage}.data.max_len=24",
+        observe=engine_kwargs_of,
+        base=VLLM,
+        expect=lambda a, b: a["max_model_len"] - b["max_model_len"] == 8,
+    ),
+    "data.max_samples": probe(
+        "{stage}.data.max_samples=2", observe=job_output, expect=lambda a, b: 2 * len(b) == len(a) == 8
+    ),
+    "data.input_key": probe(
+        "{stage}.data.input_key=question", observe=job_output, base=(f"{{stage}}.data.train_path={PROMPT_ROWS}",)
+    ),
+    "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=prompts_of),
+    "data.apply_chat_template": probe("{stage}.data.apply_chat_template=false", observe=prompts_of),
+    "reference.name_or_path": probe("{stage}.reference.name_or_path=builtin:small", observe=kl_to_ref),
+    "reference.tokenizer": probe("{stage}.reference.tokenizer={alt_tokenizer}", observe=kl_to_ref),
+    "reference.init_seed": probe("{stage}.reference.init_seed=2", observe=kl_to_ref),
+    "reference.trust_remote_code": probe(
+        "{stage}.reference.trust_remote_code=true",
+        observe=kl_to_ref,
+        base=("{stage}.reference.name_or_path={remote_code_model}",),
+        expect=lambda a, b: a[0] == "raised" and isinstance(b, list),
+    ),
+    "strategy.num_workers": probe(
+        "{stage}.strategy.num_workers=2",
+        observe=kl_groups,
+        expect=lambda a, b: [g["shards"] for g in a] == [[[8]]] * 2 and [g["shards"] for g in b] == [[[4, 4]]] * 2,
+    ),
+    "strategy.precision": probe(
+        "{stage}.strategy.precision=bf16", observe=engine_kwargs_of, expect=lambda a, b: b["dtype"] == "bfloat16"
+    ),
+    "strategy.device": probe(  # the workers' device; vLLM without CUDA graphs on the CPU only
+        "{stage}.strategy.device=cuda",
+        observe=in_process_part(doc="generate run in-process."),
+        base=VLLM,
+        expect=lambda a, b: (
+            {g["device"] for g in b["groups"]} == {"cuda"}
+            and (a["engines"][0]["kwargs"]["enforce_eager"], b["engines"][0]["kwargs"]["enforce_eager"])
+            == (True, False)
+        ),
+    ),
+    "strategy.cpus_per_worker": probe(
+        "{stage}.strategy.cpus_per_worker=2.0", observe=cpus_asked, expect=lambda a, b: b[0] - a[0] == 2 * 1.0
+    ),
+    "strategy.threads_per_worker": probe(
+        "{stage}.strategy.threads_per_worker=2",
+        observe=job_workers,
+        slow=True,
+        expect=lambda a, b: b[0]["torch_threads"] == 2,
+    ),
+    "strategy.resources": probe(
+        "{stage}.strategy.resources={{probe_node: 2}}",
+        observe=job_workers,
+        slow=True,
+        expect=lambda a, b: a[0]["custom"] == {} and b[0]["custom"] == {"probe_node": 2.0},
+    ),
+    "strategy.packing": probe(
+        "{stage}.strategy.packing=false",
+        observe=kl_groups,
+        expect=lambda a, b: (
+            all(p for g in a for _, p in g["forwards"]) and not any(p for g in b for _, p in g["forwards"])
+        ),
+    ),
+    "rollout.backend": probe(
+        "{stage}.rollout.backend=vllm",
+        observe=engines_asked,
+        expect=lambda a, b: (a["backend"], b["backend"]) == ("hf", "vllm"),
+    ),
+    "rollout.num_engines": probe(
+        "{stage}.rollout.num_engines=2",
+        observe=in_process_part(doc="generate run in-process."),
+        expect=lambda a, b: b["engines"][0]["count"] == 2 and b["init_ray"][0] == a["init_ray"][0] + 1,
+    ),  # fmt: skip
+    "rollout.tensor_parallel_size": probe(
+        "{stage}.rollout.tensor_parallel_size=2", observe=engines_asked, base=VLLM, expect=lambda a, b: b["tp"] == 2
+    ),
+    "rollout.cpus_per_engine": probe(
+        "{stage}.rollout.cpus_per_engine=2.0", observe=cpus_asked, expect=lambda a, b: b[0] == a[0] + 1
+    ),
+    "rollout.kv_cache_gib": probe(
+        "{stage}.rollout.kv_cache_gib=2",
+        observe=engine_kwargs_of,
+        base=VLLM,
+        expect=lambda a, b: b["kv_cache_gib"] == 2,
+    ),
+    "rollout.gpu_memory_utilization": probe(
+        "{stage}.rollout.gpu_memory_utilization=0.4",
+        observe=engine_kwargs_of,
+        base=VLLM,
+        expect=lambda a, b: b["gpu_memory_utilization"] == 0.4,
+    ),
+    "rollout.enforce_eager": probe(
+        "{stage}.rollout.enforce_eager=false",
+        observe=engine_kwargs_of,
+        base=VLLM,
+        expect=lambda a, b: (a["enforce_eager"], b["enforce_eager"]) == (True, False),
+    ),
+    "rollout.resources": probe(
+        "{stage}.rollout.resources={{probe_node: 1}}",
+        observe=engines_asked,
+        expect=lambda a, b: (a["resources"], b["resources"]) == ({}, {"probe_node": 1.0}),
+    ),
+    "rollout.n_samples_per_prompt": probe(
+        "{stage}.rollout.n_samples_per_prompt=3", observe=job_output, expect=lambda a, b: 2 * len(b) == 3 * len(a)
+    ),
+    "rollout.temperature": probe(  # the engines sample at it, the log-prob groups divide the logits by it
+        "{stage}.rollout.temperature=0.5",
+        observe=in_process_part(doc="generate run in-process."),
+        expect=lambda a, b: b["generate"][0]["sampling"]["temperature"] == 0.5 and _kl(a["rows"]) != _kl(b["rows"]),
+    ),
+    "rollout.top_p": probe("{stage}.rollout.top_p=0.5", observe=sampling_of, expect=lambda a, b: b["top_p"] == 0.5),
+    "rollout.max_new_tokens": probe(
+        "{stage}.rollout.max_new_tokens=4", observe=sampling_of, expect=lambda a, b: b["max_new_tokens"] == 4
+    ),
+    "seed": probe(
+        "{stage}.seed=7",
+        observe=in_process_part(doc="generate run in-process."),
+        expect=lambda a, b: b["generate"][0]["sampling"]["seed"] == 7 == b["engines"][0]["kwargs"]["seed"],
+    ),  # fmt: skip
+    "gold_reward": probe(
+        "{stage}.gold_reward=rlhf_core.data.synthetic:gold_reward",
+        observe=job_output,
+        expect=lambda a, b: "gold_reward" not in a[0] and all(isinstance(r["gold_reward"], float) for r in b),
+    ),
+    "output_format": probe(
+        "{stage}.output_format=parquet", observe=job_file, expect=lambda a, b: (a, b) == ("data.jsonl", "data.parquet")
+    ),
+}
+
+# score: the rows of 4 prompts x 3 responses; scored by builtin:tiny as a reward model, or by their length
+SCORED_ROWS = DATA / "generated_splits"
+BY_LENGTH = ("{stage}.reward=null", "{stage}.reward_fn=tests/data/config_keys/reward_fn.py:response_length")
+scores_of = in_process_part("rows", doc="The rows score committed: each with its score (select all).")
+scorer_groups = in_process_part("groups", doc="score's reward-model group: what it got, its forwards.")
+
+
+def scores(cfg: PipelineConfig, stage: str) -> Any:
+    """The score of each row score committed (select all)."""
+    rows = scores_of(cfg, stage)
+    return rows if isinstance(rows, tuple) else [round(r["score"], 5) for r in rows]
+
+
+SCORE_SECTION: dict[str, Probe] = {
+    "data.train_path": probe(f"{{stage}}.data.train_path={SCORED_ROWS / 'train.jsonl'}", observe=scores_of),
+    "data.train_split": probe(
+        "{stage}.data.train_split=dev", observe=scores_of, base=(f"{{stage}}.data.train_path={SCORED_ROWS}",)
+    ),
+    "data.max_len": probe("{stage}.data.max_len=16", observe=scores),
+    "data.max_samples": probe(
+        "{stage}.data.max_samples=6", observe=scores_of, expect=lambda a, b: (len(a), len(b)) == (12, 6)
+    ),
+    "data.prompt_key": probe("{stage}.data.prompt_key=query", observe=scores_of),
+    "data.response_key": probe("{stage}.data.response_key=answer", observe=scores_of),
+    "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=scores),
+    "data.apply_chat_template": probe("{stage}.data.apply_chat_template=false", observe=scores),
+    "reward.name_or_path": probe("{stage}.reward.name_or_path={rm_seed1}", observe=scores),
+    "reward.tokenizer": probe("{stage}.reward.tokenizer={alt_tokenizer}", observe=scores),
+    "reward.init_seed": probe("{stage}.reward.init_seed=1", observe=scores),
+    "reward.trust_remote_code": probe(
+        "{stage}.reward.trust_remote_code=true",
+        observe=scores,
+        base=("{stage}.reward.name_or_path={remote_code_rm}",),
+        expect=lambda a, b: a[0] == "raised" and isinstance(b, list),
+    ),
+    "reward_fn": probe(
+        *BY_LENGTH,
+        observe=in_process_part(doc="score run in-process."),
+        expect=lambda a, b: (
+            not b["groups"] and [r["score"] for r in b["rows"]] == [len(r["response"]) for r in b["rows"]]
+        ),
+    ),  # fmt: skip
+    "strategy.num_workers": probe(
+        "{stage}.strategy.num_workers=2",
+        observe=scorer_groups,
+        expect=lambda a, b: (a[0]["shards"], b[0]["shards"]) == ([[12]], [[6, 6]]),
+    ),
+    "strategy.precision": probe("{stage}.strategy.precision=fp32", observe=scores),
+    "strategy.device": probe(
+        "{stage}.strategy.device=cuda", observe=scorer_groups, expect=lambda a, b: b[0]["device"] == "cuda"
+    ),
+    "strategy.cpus_per_worker": probe(
+        "{stage}.strategy.cpus_per_worker=0.5", observe=cpus_asked, expect=lambda a, b: (a, b) == ([1.0], [0.5])
+    ),
+    "strategy.threads_per_worker": probe(
+        "{stage}.strategy.threads_per_worker=2",
+        observe=job_workers,
+        slow=True,
+        expect=lambda a, b: b[0]["torch_threads"] == 2,
+    ),
+    "strategy.resources": probe(
+        "{stage}.strategy.resources={{probe_node: 2}}",
+        observe=job_workers,
+        slow=True,
+        expect=lambda a, b: a[0]["custom"] == {} and b[0]["custom"] == {"probe_node": 2.0},
+    ),
+    "strategy.packing": probe(
+        "{stage}.strategy.packing=false",
+        observe=scorer_groups,
+        expect=lambda a, b: all(p for _, p in a[0]["forwards"]) and not any(p for _, p in b[0]["forwards"]),
+    ),
+    "micro_batch_size": probe(
+        "{stage}.micro_batch_size=4",
+        observe=scorer_groups,
+        expect=lambda a, b: len(a[0]["forwards"]) == 1 and len(b[0]["forwards"]) == 3,
+    ),
+    "select": probe(  # the longest response of each of the 4 prompts
+        "{stage}.select=best",
+        observe=scores_of,
+        base=BY_LENGTH,
+        expect=lambda a, b: len(b) == 4 and all("lovely" in r["response"] for r in b),
+    ),
+    "threshold": probe(  # the best responses are 32 to 35 characters long
+        "{stage}.threshold=34",
+        observe=in_process_part("metrics", doc="score's metrics."),
+        base=(*BY_LENGTH, "{stage}.select=best"),
+        expect=lambda a, b: (a["prompts_dropped"], b["prompts_dropped"]) == (0, 2),
+    ),
+    "output_format": probe(
+        "{stage}.output_format=parquet", observe=job_file, expect=lambda a, b: (a, b) == ("data.jsonl", "data.parquet")
+    ),
+}
+
+LOOP_SECTION: dict[str, Probe] = {
+    "loop.iterations": probe(
+        "loop.iterations=3",
+        observe=stage_graph,
+        preset=LOOP,
+        expect=lambda a, b: (
+            set(b) - set(a) == {"generate_3", "score_3", "dpo_3", "sft_best_3"}
+            and b["generate_3"]["upstream"] == ["dpo_2"]
+            and b["generate_3"]["iteration"] == 3
+        ),
+    ),
+    "loop.policy": probe(
+        "loop.policy=builtin:small",
+        observe=stage_graph,
+        preset=LOOP,
+        expect=lambda a, b: (
+            (a["generate_1"]["upstream"], b["generate_1"]["upstream"]) == (["sft"], [])
+            and a["generate_2"] == b["generate_2"]
+        ),
+    ),
+    "loop.next_policy": probe(
+        "loop.next_policy=sft_best",
+        observe=stage_graph,
+        preset=LOOP,
+        expect=lambda a, b: (
+            (a["dpo_2"]["upstream"], b["dpo_2"]["upstream"]) == (["dpo_1", "score_2"], ["score_2", "sft_best_1"])
+        ),
+    ),
+    "loop.stages": probe(
+        "loop.stages.extra={{kind: generate, model: {{name_or_path: 'loop:policy'}}, data: {{train_path: "
+        "rlhf_core/assets/data/synthetic/prompts_eval.jsonl, input_key: prompt}}}}",
+        observe=stage_graph,
+        preset=LOOP,
+        expect=lambda a, b: set(b) - set(a) == {"extra_1", "extra_2"} and b["extra_2"]["upstream"] == ["dpo_1"],
+    ),
+}
+
 RUN_LEVEL: dict[str, Probe] = {
     "run_uri": probe("run_uri={tmp}/elsewhere", observe=store_location),
     "storage.endpoint_url": probe(
@@ -1322,14 +1989,18 @@ RUN_LEVEL: dict[str, Probe] = {
 
 
 def _section(kind: str, probes: dict[str, Probe], base: tuple[str, ...] = ()) -> dict[str, Probe]:
+    """The probes of a kind's keys, on the preset of its stage (KIND_HOMES; the tiny one by default)."""
+    home = KIND_HOMES.get(kind, TINY)
     out = {
         f"{kind}.kind": probe(
-            *KIND_CHANGES[kind], observe=stage_runner, base=base, preset=KIND_PRESETS.get(kind, TINY)
+            *KIND_CHANGES[kind], observe=stage_runner, base=base, preset=KIND_PRESETS.get(kind, home)
         )
     }
     for rel, p in probes.items():
         if rel not in STAGE_KINDS[kind].unused:  # undocumented and refused: test_unused_keys_are_refused
-            out[f"{kind}.{rel}"] = dataclasses.replace(p, base=base + p.base)
+            out[f"{kind}.{rel}"] = dataclasses.replace(
+                p, base=base + p.base, preset=home if p.preset == TINY else p.preset
+            )
     return out
 
 
@@ -1340,6 +2011,13 @@ EFFECTS: dict[str, Probe] = {
     **_section("critic_init", CRITIC_INIT_SECTION),
     **_section("critic_warmup", _ppo_section("critic_warmup"), PPO_BASE),
     **_section("ppo", _ppo_section("ppo"), PPO_BASE),
+    **_section("dpo", DPO_SECTION),
+    **_section("kto", KTO_SECTION),
+    **_section(
+        "generate", {k: dataclasses.replace(p, base=GENERATE_BASE + p.base) for k, p in GENERATE_SECTION.items()}
+    ),
+    **_section("score", SCORE_SECTION),
+    **LOOP_SECTION,
 }
 
 
@@ -1468,15 +2146,16 @@ def test_unused_keys_are_refused(tmp_path):
     """Each kind's StageKind.unused keys (keys of its shared section classes that it has no use for) are real keys of
     the section, left out of the documentation, and refused by name when an override or a preset sets them."""
     documented = documented_keys()
-    preset = yaml.safe_load(TINY.read_text())
     for kind, spec in STAGE_KINDS.items():
+        home = KIND_HOMES.get(kind, TINY)
+        preset = yaml.safe_load(home.read_text())
         section_keys = {row[0] for row in describe(spec.section, kind)}
         for rel in sorted(spec.unused):
-            key = f"{kind}.{rel}"  # the tiny preset's stage of each kind is named after it
+            key = f"{kind}.{rel}"  # the home preset's stage of each kind is named after it
             assert key in section_keys and key not in documented, key
             refused = re.escape(f"'{key}' does not apply to a {kind} stage")
             with pytest.raises(ConfigError, match=refused):
-                load_config(TINY, [f"run_uri={tmp_path}", f"{key}=1"])
+                load_config(home, [f"run_uri={tmp_path}", f"{key}=1"])
             edited = json.loads(json.dumps(preset))  # the preset with the key set in the stage's section
             section = edited["stages"][kind]
             *parents, leaf = rel.split(".")

@@ -23,7 +23,7 @@ import torch
 
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.preference import sequence_logprobs
-from rlhf_core.config import DPOConfig, KTOConfig, PipelineConfig, StrategyConfig
+from rlhf_core.config import DPOConfig, KTOConfig, ModelConfig, PipelineConfig, StrategyConfig
 from rlhf_core.data.examples import pad_right
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
@@ -60,21 +60,17 @@ class FrozenReference:
     """The online reference of one rank: built on first use (outside ZeRO-3's partitioned init, so it is a full
     copy), on the policy's device, never trained."""
 
-    def __init__(self, source: ModelSource, init_seed: int, trust_remote_code: bool, packing: bool):
-        self.source, self.init_seed, self.trust_remote_code, self.packing = (
-            source,
-            init_seed,
-            trust_remote_code,
-            packing,
-        )
+    def __init__(self, source: ModelSource, ref: ModelConfig, packing: bool):
+        self.source, self.ref, self.packing = source, ref, packing
         self.model: torch.nn.Module | None = None
 
     @torch.no_grad()
-    def __call__(self, batch: dict[str, torch.Tensor], tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.Tensor:
-        if self.model is None:
-            path = local_model_path(self.source)
-            model = build_causal_lm(path, tokenizer, seed=self.init_seed, dtype=dtype, attn=attn,
-                                    trust_remote_code=self.trust_remote_code)  # fmt: skip
+    def __call__(self, batch: dict[str, torch.Tensor], dtype: torch.dtype, attn: str) -> torch.Tensor:
+        if self.model is None:  # with the reference's own tokenizer and keys, as the precomputing workers build it
+            ref, path = self.ref, local_model_path(self.source)
+            tokenizer = load_tokenizer(path, ref.tokenizer, trust_remote_code=ref.trust_remote_code)
+            model = build_causal_lm(path, tokenizer, seed=ref.init_seed, dtype=dtype, attn=attn,
+                                    trust_remote_code=ref.trust_remote_code)  # fmt: skip
             self.model = model.to(batch["input_ids"].device).eval().requires_grad_(False)
         return response_logprobs(self.model, batch, self.packing)[0]
 
@@ -84,14 +80,11 @@ class PreferenceImpl:
 
     def __init__(self, p: DPOConfig | KTOConfig, reference: ModelSource | None):
         self.p, self.packing = p, p.strategy.packing
-        ref = p.reference or p.model
-        self.online = (
-            FrozenReference(reference, ref.init_seed, ref.trust_remote_code, self.packing) if reference else None
-        )
-        self._build: tuple[Any, torch.dtype, str] | None = None
+        self.online = FrozenReference(reference, p.reference or p.model, self.packing) if reference else None
+        self._build: tuple[torch.dtype, str] | None = None
 
     def build_model(self, ctx: StageContext, tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.nn.Module:
-        self._build = (tokenizer, dtype, attn)  # the online reference is built like the policy
+        self._build = (dtype, attn)  # the online reference: the policy's precision and attention
         return build_causal_lm(ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn,
                                trust_remote_code=ctx.trust_remote_code)  # fmt: skip
 
