@@ -272,17 +272,20 @@ class PPOConfig:
 
 
 @dataclass
-class DPOConfig:
+class PreferenceConfig:
+    """What the DPO and KTO kinds share: the policy, its frozen reference and where the reference's numbers come
+    from."""
+
     model: ModelConfig = required("Policy to train, usually stage:sft.")
-    data: DataConfig = required("Preference data (prompt_key, chosen_key, rejected_key); eval_path: held-out pairs.")
+    data: DataConfig = required(
+        "Preference pairs (prompt_key, chosen_key, rejected_key); KTO also takes unpaired rows (data.label_key); "
+        "eval_path: held-out rows."
+    )
     reference: ModelConfig | None = opt(None, "Frozen reference policy; null = the policy's starting model.")
     strategy: StrategyConfig = opt(StrategyConfig(), "DeepSpeed/Ray settings.")
     optim: OptimConfig = opt(OptimConfig(lr=5e-7), "Optimizer settings.")
     train: TrainConfig = opt(TrainConfig(), "Batching, steps, checkpoints.")
     beta: float = opt(0.1, "Strength beta of the implicit KL to the reference.")
-    loss_type: Literal["sigmoid", "ipo"] = opt("sigmoid", "sigmoid = DPO (cDPO with label_smoothing > 0); ipo = IPO.")
-    label_smoothing: float = opt(0.0, "cDPO: assumed probability in [0, 0.5) that a preference label is flipped.")
-    nll_loss_coef: float = opt(0.0, "Weight of an added NLL (SFT) loss on the chosen responses (0 = none).")
     ref_logprobs: Literal["precompute", "online"] = opt(
         "precompute",
         "precompute = reference log-probs computed once before training and stored with the stage "
@@ -291,21 +294,16 @@ class DPOConfig:
 
 
 @dataclass
-class KTOConfig:
-    model: ModelConfig = required("Policy to train, usually stage:sft.")
-    data: DataConfig = required("Pairs (chosen desirable, rejected undesirable) or unpaired rows with data.label_key.")
-    reference: ModelConfig | None = opt(None, "Frozen reference policy; null = the policy's starting model.")
-    strategy: StrategyConfig = opt(StrategyConfig(), "DeepSpeed/Ray settings.")
-    optim: OptimConfig = opt(OptimConfig(lr=5e-7), "Optimizer settings.")
-    train: TrainConfig = opt(TrainConfig(), "Batching, steps, checkpoints.")
-    beta: float = opt(0.1, "Strength beta of the implicit KL to the reference.")
+class DPOConfig(PreferenceConfig):
+    loss_type: Literal["sigmoid", "ipo"] = opt("sigmoid", "sigmoid = DPO (cDPO with label_smoothing > 0); ipo = IPO.")
+    label_smoothing: float = opt(0.0, "cDPO: assumed probability in [0, 0.5) that a preference label is flipped.")
+    nll_loss_coef: float = opt(0.0, "Weight of an added NLL (SFT) loss on the chosen responses (0 = none).")
+
+
+@dataclass
+class KTOConfig(PreferenceConfig):
     desirable_weight: float = opt(1.0, "Weight of the desirable examples' losses.")
     undesirable_weight: float = opt(1.0, "Weight of the undesirable examples' losses.")
-    ref_logprobs: Literal["precompute", "online"] = opt(
-        "precompute",
-        "precompute = reference log-probs computed once before training and stored with the stage; "
-        "online = a frozen reference copy on every rank.",
-    )
 
 
 @dataclass
@@ -787,7 +785,7 @@ def _validate_training(name: str, stage: Any) -> None:
         )
 
 
-def _validate_preference(name: str, kind: str, p: DPOConfig | KTOConfig) -> None:
+def _validate_preference(name: str, kind: str, p: PreferenceConfig) -> None:
     _check(p.beta > 0, f"{name}.beta", p.beta, "must be > 0")
     if isinstance(p, DPOConfig):
         _check(0 <= p.label_smoothing < 0.5, f"{name}.label_smoothing", p.label_smoothing, "must be in [0, 0.5)")

@@ -1692,6 +1692,22 @@ def kl_to_ref(cfg: PipelineConfig, stage: str) -> Any:
     return _kl(job_output(cfg, stage))
 
 
+# What generate's log-prob groups and score's reward-model workers were given, from a real job run (slow)
+FROZEN_WORKERS: dict[str, Probe] = {
+    "strategy.threads_per_worker": probe(
+        "{stage}.strategy.threads_per_worker=2",
+        observe=job_workers,
+        slow=True,
+        expect=lambda a, b: b[0]["torch_threads"] == 2,
+    ),
+    "strategy.resources": probe(
+        "{stage}.strategy.resources={{probe_node: 2}}",
+        observe=job_workers,
+        slow=True,
+        expect=lambda a, b: a[0]["custom"] == {} and b[0]["custom"] == {"probe_node": 2.0},
+    ),
+}
+
 GENERATE_SECTION: dict[str, Probe] = {
     "model.name_or_path": probe(
         "{stage}.model.name_or_path=builtin:small",
@@ -1758,18 +1774,7 @@ GENERATE_SECTION: dict[str, Probe] = {
     "strategy.cpus_per_worker": probe(
         "{stage}.strategy.cpus_per_worker=2.0", observe=cpus_asked, expect=lambda a, b: b[0] - a[0] == 2 * 1.0
     ),
-    "strategy.threads_per_worker": probe(
-        "{stage}.strategy.threads_per_worker=2",
-        observe=job_workers,
-        slow=True,
-        expect=lambda a, b: b[0]["torch_threads"] == 2,
-    ),
-    "strategy.resources": probe(
-        "{stage}.strategy.resources={{probe_node: 2}}",
-        observe=job_workers,
-        slow=True,
-        expect=lambda a, b: a[0]["custom"] == {} and b[0]["custom"] == {"probe_node": 2.0},
-    ),
+    **FROZEN_WORKERS,
     "strategy.packing": probe(
         "{stage}.strategy.packing=false",
         observe=kl_groups,
@@ -1897,18 +1902,7 @@ SCORE_SECTION: dict[str, Probe] = {
     "strategy.cpus_per_worker": probe(
         "{stage}.strategy.cpus_per_worker=0.5", observe=cpus_asked, expect=lambda a, b: (a, b) == ([1.0], [0.5])
     ),
-    "strategy.threads_per_worker": probe(
-        "{stage}.strategy.threads_per_worker=2",
-        observe=job_workers,
-        slow=True,
-        expect=lambda a, b: b[0]["torch_threads"] == 2,
-    ),
-    "strategy.resources": probe(
-        "{stage}.strategy.resources={{probe_node: 2}}",
-        observe=job_workers,
-        slow=True,
-        expect=lambda a, b: a[0]["custom"] == {} and b[0]["custom"] == {"probe_node": 2.0},
-    ),
+    **FROZEN_WORKERS,
     "strategy.packing": probe(
         "{stage}.strategy.packing=false",
         observe=scorer_groups,

@@ -23,7 +23,7 @@ import torch
 
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.preference import sequence_logprobs
-from rlhf_core.config import DPOConfig, KTOConfig, ModelConfig, PipelineConfig, StrategyConfig
+from rlhf_core.config import ModelConfig, PipelineConfig, PreferenceConfig, StrategyConfig
 from rlhf_core.data.examples import pad_right
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
@@ -78,7 +78,7 @@ class FrozenReference:
 class PreferenceImpl:
     """The parts of a DPO/KTO ``StageImpl`` that do not depend on the loss: the policy, the reference numbers."""
 
-    def __init__(self, p: DPOConfig | KTOConfig, reference: ModelSource | None):
+    def __init__(self, p: PreferenceConfig, reference: ModelSource | None):
         self.p, self.packing = p, p.strategy.packing
         self.online = FrozenReference(reference, p.reference or p.model, self.packing) if reference else None
         self._build: tuple[torch.dtype, str] | None = None
@@ -110,7 +110,7 @@ class PreferenceImpl:
 
 
 def precompute_reference(
-    st: common.StageSetup, p: DPOConfig | KTOConfig, splits: dict[str, list[Sequence]], pad_id: int
+    st: common.StageSetup, p: PreferenceConfig, splits: dict[str, list[Sequence]], pad_id: int
 ) -> dict[str, list[float]]:
     """Summed reference log-probs of every sequence of each split: read from ``<stage>/reference_logprobs/`` when it
     was committed for this config hash, else computed on a ``ReferencePolicy`` group and committed there."""
