@@ -944,7 +944,24 @@ def stage_hash(section: Any, upstream: dict[str, str] | None = None) -> str:
         return node
 
     payload = {"stage": strip(dataclasses.asdict(section)), "upstream": upstream or {}}
+    code = getattr(section, "reward_fn", None)
+    if code:  # the reward function makes the stage's output: editing its file must rerun the stage
+        payload["code"] = code_fingerprint(code)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def code_fingerprint(spec: str) -> str:
+    """sha256 of the source file behind ``path.py:function`` or ``module:function`` ("" when it cannot be found:
+    the job then refuses the spec, naming its key)."""
+    import importlib.util
+
+    where = spec.rpartition(":")[0]
+    try:
+        origin = where if where.endswith(".py") else (importlib.util.find_spec(where) or object()).origin
+    except (ImportError, ValueError, AttributeError):
+        return ""
+    path = Path(origin) if isinstance(origin, str) else None
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None and path.is_file() else ""
 
 
 def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:

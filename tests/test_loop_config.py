@@ -67,3 +67,15 @@ def test_the_resolved_yaml_loads_again_without_the_loop(tmp_path):
 def test_bad_loops_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(ITER_DPO, overrides)
+
+
+def test_editing_the_reward_function_file_changes_the_score_stage_hash(tmp_path):
+    # a cached score stage must not outlive a change to the code that made its scores
+    fn = tmp_path / "reward.py"
+    fn.write_text("def score(prompts, responses):\n    return [len(r) for r in responses]\n")
+    overrides = ["score.reward=null", f"score.reward_fn={fn}:score"]
+    upstream = {name: {"config_hash": name} for name in load_config(ITER_DPO, overrides).order()}
+    before = expected_hash(load_config(ITER_DPO, overrides), "score_1", upstream)
+    assert expected_hash(load_config(ITER_DPO, overrides), "score_1", upstream) == before  # stable
+    fn.write_text("def score(prompts, responses):\n    return [-len(r) for r in responses]\n")
+    assert expected_hash(load_config(ITER_DPO, overrides), "score_1", upstream) != before
