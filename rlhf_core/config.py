@@ -1,11 +1,13 @@
 """Typed stage configs, loaded from a YAML preset plus ``key=value`` overrides.
 
 A preset (``deployments/configs/*.yaml``) holds the run-level keys (``run_uri``, ``storage``) and ``stages``: named
-stage instances, each with a ``kind`` (``sft``, ``reward_model``, ``critic_init``, ``critic_warmup``, ``ppo``; see
-``STAGE_KINDS``) and that kind's section. ``stage:<name>`` model paths make the dependency graph; several instances
-of one kind can live in one run (``sft_a`` -> ``sft_b``). ``load_config(path, overrides)`` merges YAML and
-overrides into the dataclasses below and refuses unknown keys and invalid values with a ``ConfigError`` naming the
-key; ``<stage>.a.b=value`` overrides are shorthand for ``stages.<stage>.a.b=value``.
+stage instances, each with a ``kind`` (``sft``, ``reward_model``, ``critic_init``, ``critic_warmup``, ``ppo``,
+``dpo``, ``kto``, ``generate``, ``score``; see ``STAGE_KINDS``) and that kind's section. ``stage:<name>`` model and
+data paths make the dependency graph; several instances of one kind can live in one run (``sft_a`` -> ``sft_b``).
+An optional ``loop`` repeats a group of stages K times as instances ``<name>_<i>`` (``expand_loop``).
+``load_config(path, overrides)`` merges YAML and overrides into the dataclasses below and refuses unknown keys and
+invalid values with a ``ConfigError`` naming the key; ``<stage>.a.b=value`` overrides are shorthand for
+``stages.<stage>.a.b=value``.
 
 Hyperparameter defaults follow OpenRLHF (arXiv 2405.11143) and its CLI; model and data paths have no default.
 A model path is a Hugging Face directory or hub name, ``builtin:<name>`` (a tiny model built from

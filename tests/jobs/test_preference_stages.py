@@ -110,8 +110,8 @@ def test_dpo_reference_log_probs_are_stored_once_and_reused_and_match_online(tmp
 
 @pytest.mark.slow
 def test_kto_from_pairs_starts_at_one_half_and_reports_its_reference_point(tmp_path, ray_cluster):
-    ref = kto.run(cfg_for("kto", tmp_path / "run", "kto.data.eval_path=rlhf_core/assets/data/synthetic/pref_eval.jsonl"),
-                  "kto")  # fmt: skip
+    held_out = "kto.data.eval_path=rlhf_core/assets/data/synthetic/pref_eval.jsonl"
+    ref = kto.run(cfg_for("kto", tmp_path / "run", held_out), "kto")
     m = ref.metrics
     assert m["train_samples"] == 64  # 32 pairs: a desirable and an undesirable example each -> 4 steps of 16
     assert m["steps"] == 4 and m["loss_start"] == pytest.approx(0.5, abs=1e-5)
