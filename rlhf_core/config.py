@@ -966,9 +966,10 @@ def code_fingerprint(spec: str) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None and path.is_file() else ""
 
 
-def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[tuple[str, str, str]]:
     """(key, default, help) rows for documentation and ``--help``. For ``PipelineConfig`` the stage keys are listed
-    once per kind, under the kind's name (an instance ``<name>`` of that kind takes the same keys)."""
+    once per kind, under the kind's name (an instance ``<name>`` of that kind takes the same keys). ``defaults``: the
+    section's own default instance, whose values win over the class's (``DPOConfig.optim`` has lr 5e-7)."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -985,9 +986,14 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
         inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         target = tp if dataclasses.is_dataclass(tp) else (inner[0] if inner else None)
         if target is not None:
-            rows += describe(target, key)
+            own = getattr(defaults, f.name, None) if defaults is not None else None
+            if own is None and f.default_factory is not MISSING:  # type: ignore[misc]
+                own = f.default_factory()  # type: ignore[misc]
+            rows += describe(target, key, own if dataclasses.is_dataclass(own) else None)
             continue
-        if f.default is not MISSING:
+        if defaults is not None:
+            default = repr(getattr(defaults, f.name))
+        elif f.default is not MISSING:
             default = repr(f.default)
         elif f.default_factory is not MISSING:  # type: ignore[misc]
             default = repr(f.default_factory())  # type: ignore[misc]
