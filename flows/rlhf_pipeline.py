@@ -187,7 +187,7 @@ def iteration_rows(cfg: PipelineConfig, refs: dict[str, dict]) -> list[dict]:
         metrics = refs.get(stage, {}).get("metrics", {})
         found = {k: metrics[k] for k in ITERATION_METRICS if metrics.get(k) is not None}
         i = cfg.iterations.get(stage, 0)
-        if not found or (i == 0 and stage not in refs):
+        if not found:
             continue
         base = stage.removesuffix(f"_{i}") if i else stage
         row = rows.setdefault(i, {"iteration": i})

@@ -22,7 +22,6 @@ from rlhf_core import events, timing
 from rlhf_core.config import (
     STAGE_PREFIX,
     ConfigError,
-    DataConfig,
     GenerateConfig,
     PipelineConfig,
     PPOConfig,
@@ -210,7 +209,7 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     upstream: dict[str, str] = {}
     for role, model in models.items():
         upstream.update(upstream_hash(store, model.name_or_path, keys[role]))
-    data_keys = stage_data(stage, section)
+    data_keys = {key: f"{STAGE_PREFIX}{name}" for key, name in cfg.spec(stage).upstream() if is_data_key(key)}
     for key, path in data_keys.items():
         upstream.update(upstream_hash(store, path, key))
     config_hash = stage_hash(section, upstream)
@@ -232,16 +231,9 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     return StageSetup(stage, section, store, work, paths, upstream, config_hash, None, sources)
 
 
-def stage_data(stage: str, section: Any) -> dict[str, str]:
-    """{config key: stage:<name>} of the section's data paths that name an earlier stage's dataset."""
-    out = {}
-    for field_name, value in vars(section).items():
-        if isinstance(value, DataConfig):
-            for key in ("train_path", "eval_path"):
-                path = getattr(value, key)
-                if path is not None and path.startswith(STAGE_PREFIX):
-                    out[f"{stage}.{field_name}.{key}"] = path
-    return out
+def is_data_key(key: str) -> bool:
+    """Whether a ``StageSpec.upstream`` key names a data path (``<stage>.<section>.train_path``/``eval_path``)."""
+    return key.rsplit(".", 1)[-1] in ("train_path", "eval_path")
 
 
 def resolve_data(store: ObjectStore, section: Any, data_keys: dict[str, str]) -> Any:

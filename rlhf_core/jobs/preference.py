@@ -23,7 +23,7 @@ import torch
 
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.preference import sequence_logprobs
-from rlhf_core.config import ModelConfig, PipelineConfig, PreferenceConfig, StrategyConfig
+from rlhf_core.config import ModelConfig, PipelineConfig, PreferenceConfig
 from rlhf_core.data.examples import pad_right
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
@@ -32,6 +32,7 @@ from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer, write
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.models.forward import causal_lm_logprobs
+from rlhf_core.storage import ArtifactError
 from rlhf_core.types import CheckpointRef
 
 Sequence = tuple[list[int], int]  # token ids (prompt + response + EOS) and the prompt's length
@@ -115,21 +116,22 @@ def precompute_reference(
     """Summed reference log-probs of every sequence of each split: read from ``<stage>/reference_logprobs/`` when it
     was committed for this config hash, else computed on a ``ReferencePolicy`` group and committed there."""
     store, rel = st.store, f"{st.stage}/{REFERENCE_REL}"
-    if store.is_complete(rel) and store.read_manifest(rel, verify=False).config_hash == st.config_hash:
+    try:
+        stored = store.read_manifest(rel, verify=True)
+    except ArtifactError:
+        stored = None
+    if stored is not None and stored.config_hash == st.config_hash:
         saved = store.read_json(f"{rel}/logprobs.json")
         if {k: len(v) for k, v in saved.items()} == {k: len(v) for k, v in splits.items()}:
             print(f"[{st.stage}] reference log-probs from {store.uri(rel)}", flush=True)
             return saved
     ref = p.reference or p.model
     s = p.strategy
-    group_cfg = StrategyConfig(num_workers=s.num_workers, precision=s.precision, device=s.device,
-                               cpus_per_worker=s.cpus_per_worker, threads_per_worker=s.threads_per_worker,
-                               resources=s.resources)  # fmt: skip
     started = launcher.init_ray(min_cpus=s.num_workers * s.cpus_per_worker)
     group = None
     try:
         group = launcher.RayWorkerGroup(
-            group_cfg, ReferencePolicy, st.sources["reference"], p.train.eval_batch_size, s.precision, ref.init_seed,
+            s, ReferencePolicy, st.sources["reference"], p.train.eval_batch_size, s.precision, ref.init_seed,
             tokenizer_path=ref.tokenizer, trust_remote_code=ref.trust_remote_code, packing=s.packing, name="reference",
         )  # fmt: skip
         out = {name: _score(group, seqs, pad_id) for name, seqs in splits.items()}
