@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -213,13 +214,46 @@ class PPOAlgoConfig:
     lam: float = opt(0.95, "GAE lambda.")
     eps_clip: float = opt(0.2, "PPO policy clip range.")
     value_clip: float | None = opt(0.5, "Value clip range; null = unclipped value loss.")
-    normalize_reward: bool = opt(True, "Normalise RM scores with the mean/std stored by the reward-model stage.")
+    normalize_reward: bool = opt(
+        True, "Normalise the reward model's scores with the mean/std its stage stored (reward_fn/remote: as given)."
+    )
     reward_clip: list[float] = opt([-10.0, 10.0], "Clamp of the (normalised) RM score.")
     missing_eos_penalty: float | None = opt(
         None, "Added to the RM score of a response cut at max_new_tokens without EOS (e.g. -1.0); null = none."
     )
-    whiten_advantages: bool = opt(True, "Normalise advantages over the whole rollout batch across all DP ranks.")
+    whiten_advantages: bool = opt(
+        True, "gae: normalise advantages over the whole rollout batch across all DP ranks (reinforce++ always does)."
+    )
     ppo_epochs: int = opt(1, "Passes over each rollout batch.")
+    advantage_estimator: Literal["gae", "reinforce++", "reinforce++_baseline", "grpo", "rloo", "dr_grpo"] = opt(
+        "gae",
+        "gae = PPO with a critic; critic-free: reinforce++ (returns whitened over the global batch), "
+        "reinforce++_baseline (minus the prompt's group mean, then whitened), grpo (normalised within each prompt's "
+        "group), rloo (leave-one-out baseline), dr_grpo (minus the group mean, no std); group estimators need "
+        "rollout.n_samples_per_prompt >= 2.",
+    )
+    eps_clip_high: float | None = opt(None, "Upper clip bound 1 + eps_clip_high (clip-higher, DAPO); null = eps_clip.")
+    dual_clip: float | None = opt(None, "Dual clip c > 1: a token with A < 0 loses at most -c * A; null = off.")
+    loss_agg: Literal["token_mean", "seq_mean", "seq_sum_norm"] = opt(
+        "token_mean",
+        "Actor loss over a window: token_mean (every token alike), seq_mean (each sequence's token mean, then the "
+        "mean over sequences), seq_sum_norm (token sums / rollout.max_new_tokens, mean over sequences: Dr. GRPO).",
+    )
+    kl_mode: Literal["reward", "loss"] = opt(
+        "reward", "reward = KL penalty in the token rewards (PPO); loss = kl_coef x KL term in the actor loss (GRPO)."
+    )
+    kl_loss_unbiased: bool = opt(
+        False, "kl_mode=loss: weigh the KL term by pi/pi_old (unbiased under rollout samples, DeepSeek-V3.2)."
+    )
+    entropy_coef: float = opt(0.0, "Entropy bonus: the actor loss minus this x the token entropy (0 = none).")
+    is_correction_cap: float | None = opt(
+        None,
+        "Truncated importance sampling between engine and trainer log-probs: each token's loss x min(exp(old - "
+        "rollout), cap); null = off.",
+    )
+    dynamic_filter: bool = opt(
+        False, "Drop the prompts whose n samples all got the same reward (DAPO dynamic sampling; no signal)."
+    )
 
 
 @dataclass
@@ -243,11 +277,34 @@ class PPOTrainConfig:
 
 
 @dataclass
+class RemoteRewardConfig:
+    timeout_s: float = opt(30.0, "Seconds per request to the remote reward server.")
+    retries: int = opt(3, "Retries of a failed request (connection errors, HTTP 429/5xx), with backoff.")
+    backoff_s: float = opt(0.5, "Backoff factor between retries (0.5 s, 1 s, 2 s, ...).")
+    batch_size: int = opt(0, "Rows per request (0 = the whole batch in one request).")
+
+
+REWARD_SOURCES = ("reward", "reward_fn", "remote_rm_url")
+
+
+@dataclass
 class PPOConfig:
     actor: ModelConfig = required("Policy to train, usually stage:sft.")
-    critic: ModelConfig = required("Critic to start from: stage:critic_warmup or stage:critic_init.")
-    reward: ModelConfig = required("Frozen reward model, usually stage:reward_model.")
     data: DataConfig = required("Prompts (input_key, e.g. 'prompt'); eval_path gives held-out prompts.")
+    critic: ModelConfig | None = opt(
+        None, "Critic to start from (stage:critic_warmup or stage:critic_init); algo.advantage_estimator=gae only."
+    )
+    reward: ModelConfig | None = opt(None, "Frozen reward model, usually stage:reward_model (or reward_fn/remote).")
+    reward_fn: str | None = opt(
+        None, "module:function or path.py:function(prompts, responses) -> scores, or {scores, keep} (keep: bools)."
+    )
+    remote_rm_url: str | None = opt(
+        None, "HTTP reward server: POST {prompts, responses} -> {scores} (remote_rm: timeouts, retries)."
+    )
+    remote_rm: RemoteRewardConfig = opt(RemoteRewardConfig(), "Remote reward server client settings.")
+    reward_weights: dict[str, float] = opt(
+        {}, "Weights of the summed rewards by source (reward, reward_fn, remote_rm_url); 1.0 each by default."
+    )
     reference: ModelConfig | None = opt(None, "Frozen reference policy; null = the actor's starting model.")
     actor_strategy: StrategyConfig = opt(StrategyConfig(), "Actor group DeepSpeed/Ray settings.")
     critic_strategy: StrategyConfig = opt(StrategyConfig(), "Critic group DeepSpeed/Ray settings.")
@@ -375,6 +432,10 @@ _PROMPT_ONLY = frozenset(("data.output_key", *_PREFERENCE_KEYS, *_GENERATED_KEYS
 _NOT_TRAINED = ("strategy.zero_stage", "strategy.offload_optimizer", "strategy.gradient_checkpointing",
                 "strategy.attn_implementation")  # fmt: skip
 _NOT_SYNCED = ("rollout.enable_sleep", "rollout.weight_sync_backend", "rollout.weight_sync_bucket_mb")
+# the actor's loss and the critic-free estimators: the critic warm-up (GAE, the actor frozen) has no use for them
+_ACTOR_LOSS = ("algo.advantage_estimator", "algo.eps_clip_high", "algo.dual_clip", "algo.loss_agg",
+               "algo.kl_loss_unbiased", "algo.entropy_coef", "algo.is_correction_cap",
+               "algo.dynamic_filter")  # fmt: skip
 _ACTOR_OPTIM = tuple(f"actor_optim.{f.name}" for f in dataclasses.fields(OptimConfig))
 
 STAGE_KINDS: dict[str, StageKind] = {
@@ -388,7 +449,8 @@ STAGE_KINDS: dict[str, StageKind] = {
                   frozenset(("model.init_seed",))),
         StageKind("critic_warmup", PPOConfig, "rlhf_core.jobs.critic_warmup", "PPO loop with the actor frozen.",
                   _PROMPT_ONLY | {"train.freeze_actor_steps", "train.save_critic", "algo.eps_clip",
-                                  "algo.whiten_advantages", "actor_strategy.gradient_checkpointing", *_ACTOR_OPTIM}),
+                                  "algo.whiten_advantages", "actor_strategy.gradient_checkpointing", *_ACTOR_OPTIM,
+                                  *_ACTOR_LOSS}),
         StageKind("ppo", PPOConfig, "rlhf_core.jobs.ppo", "Ray-distributed PPO.", _PROMPT_ONLY),
         StageKind("dpo", DPOConfig, "rlhf_core.jobs.dpo", "DPO, IPO or cDPO on preference pairs.",
                   frozenset(("data.input_key", "data.output_key", *_GENERATED_KEYS))),
@@ -751,7 +813,7 @@ def validate(cfg: PipelineConfig) -> None:
         if spec.kind == "reward_model" and not spec.section.data.eval_path:
             raise ConfigError(f"'{name}.data.eval_path' is required: held-out pairs give accuracy and reward stats")
         if spec.kind in ("critic_warmup", "ppo"):
-            _validate_ppo(name, spec.section)
+            _validate_ppo(name, spec.section, spec.kind)
         for key, upstream in spec.upstream():
             if upstream not in cfg.stages:
                 close = difflib.get_close_matches(upstream, [n for n in cfg.stages if n != name], n=1)
@@ -828,10 +890,71 @@ def _validate_score(name: str, sc: ScoreConfig) -> None:
         raise ConfigError(f"'{name}.threshold' applies to select=best: set {name}.select=best or remove it")
 
 
-def _validate_ppo(name: str, p: PPOConfig) -> None:
+def uses_critic(kind: str, p: PPOConfig) -> bool:
+    """The critic warm-up and GAE train a critic; the critic-free estimators build none."""
+    return kind == "critic_warmup" or p.algo.advantage_estimator == "gae"
+
+
+def reward_sources(p: PPOConfig) -> list[str]:
+    """The reward sources a PPO-kind stage sums (in REWARD_SOURCES order)."""
+    return [key for key in REWARD_SOURCES if getattr(p, key) is not None]
+
+
+def _validate_rl(name: str, kind: str, p: PPOConfig) -> None:
+    """The estimator, the actor-loss options and the reward sources of a PPO-kind stage."""
+    a, n = p.algo, p.rollout.n_samples_per_prompt
+    if uses_critic(kind, p) and p.critic is None:
+        why = "the critic warm-up trains one" if kind == "critic_warmup" else "algo.advantage_estimator=gae needs one"
+        raise ConfigError(f"'{name}.critic.name_or_path' is required: {why} (e.g. stage:critic_init), or choose a "
+                          f"critic-free '{name}.algo.advantage_estimator' (reinforce++, grpo, rloo, ...)")  # fmt: skip
+    if not uses_critic(kind, p) and p.critic is not None:
+        raise ConfigError(f"'{name}.critic' is set but '{name}.algo.advantage_estimator' = {a.advantage_estimator} "
+                          "builds no critic: remove it, or use advantage_estimator=gae")  # fmt: skip
+    group = ("reinforce++_baseline", "grpo", "rloo", "dr_grpo")
+    if a.advantage_estimator in group and n < 2:
+        raise ConfigError(f"'{name}.algo.advantage_estimator' = {a.advantage_estimator} compares the samples of a "
+                          f"prompt: set '{name}.rollout.n_samples_per_prompt' >= 2 (it is {n})")  # fmt: skip
+    if a.dynamic_filter and n < 2:
+        raise ConfigError(f"'{name}.algo.dynamic_filter' drops prompts whose samples all score alike: set "
+                          f"'{name}.rollout.n_samples_per_prompt' >= 2 (it is {n})")  # fmt: skip
+    _check(a.eps_clip > 0, f"{name}.algo.eps_clip", a.eps_clip, "must be > 0")
+    _check(a.eps_clip_high is None or a.eps_clip_high > 0, f"{name}.algo.eps_clip_high", a.eps_clip_high, "> 0")
+    _check(a.dual_clip is None or a.dual_clip > 1, f"{name}.algo.dual_clip", a.dual_clip, "must be > 1 (e.g. 3)")
+    _check(a.entropy_coef >= 0, f"{name}.algo.entropy_coef", a.entropy_coef, "must be >= 0")
+    cap = a.is_correction_cap
+    _check(cap is None or cap > 0, f"{name}.algo.is_correction_cap", cap, "must be > 0 (e.g. 2.0)")
+    if a.kl_mode == "loss" and a.kl_coef == 0 and a.kl_target is None:
+        raise ConfigError(f"'{name}.algo.kl_mode' = loss with kl_coef 0 adds no KL term: set '{name}.algo.kl_coef' "
+                          "> 0 (e.g. 0.01) or kl_mode=reward")  # fmt: skip
+    if a.kl_loss_unbiased and a.kl_mode != "loss":
+        raise ConfigError(f"'{name}.algo.kl_loss_unbiased' applies to the KL loss term: set '{name}.algo.kl_mode' "
+                          "= loss or remove it")  # fmt: skip
+    sources = reward_sources(p)
+    if not sources:
+        raise ConfigError(f"'{name}' has no reward: give '{name}.reward.name_or_path' (a reward model), "
+                          f"'{name}.reward_fn' (path.py:function) or '{name}.remote_rm_url' (a server)")  # fmt: skip
+    for key, weight in p.reward_weights.items():
+        if key not in sources:
+            raise ConfigError(f"'{name}.reward_weights.{key}' weighs no reward source of this stage (its sources: "
+                              f"{', '.join(sources)}; the keys are {', '.join(REWARD_SOURCES)})")  # fmt: skip
+        _check(math.isfinite(weight), f"{name}.reward_weights.{key}", weight, "must be a finite number")
+    if p.remote_rm_url is not None:
+        url = p.remote_rm_url
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"'{name}.remote_rm_url' = {redact_url(url)!r} must be an http:// or https:// URL")
+        rm = p.remote_rm
+        _check(rm.timeout_s > 0, f"{name}.remote_rm.timeout_s", rm.timeout_s, "must be > 0")
+        _check(rm.retries >= 0, f"{name}.remote_rm.retries", rm.retries, "must be >= 0")
+        _check(rm.backoff_s >= 0, f"{name}.remote_rm.backoff_s", rm.backoff_s, "must be >= 0")
+        _check(rm.batch_size >= 0, f"{name}.remote_rm.batch_size", rm.batch_size, "must be >= 0 (0 = one request)")
+
+
+def _validate_ppo(name: str, p: PPOConfig, kind: str = "ppo") -> None:
     """Batch arithmetic as in OpenRLHF: rollout samples split evenly over actor and critic ranks, and into
     optimizer steps of train_batch_size made of micro-batches on every rank."""
     t, r, a = p.train, p.rollout, p.algo
+    _validate_rl(name, kind, p)
+    critic, reward = uses_critic(kind, p), p.reward is not None
     for key in ("rollout_batch_size", "train_batch_size", "micro_train_batch_size", "micro_rollout_batch_size"):
         _check(getattr(t, key) >= 1, f"{name}.train.{key}", getattr(t, key), "must be >= 1")
     _validate_sampling(name, r)
@@ -861,7 +984,7 @@ def _validate_ppo(name: str, p: PPOConfig) -> None:
             f"invalid value {t.train_batch_size} for '{name}.train.train_batch_size': rollout_batch_size x "
             f"n_samples_per_prompt = {samples} samples per step must split into whole optimizer steps"
         )
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic") if critic else ("actor",):
         workers = getattr(p, f"{role}_strategy").num_workers
         _check(workers >= 1, f"{name}.{role}_strategy.num_workers", workers, "must be >= 1")
         per_step = t.micro_train_batch_size * workers
@@ -870,9 +993,10 @@ def _validate_ppo(name: str, p: PPOConfig) -> None:
                 f"invalid value {t.train_batch_size} for '{name}.train.train_batch_size': it must be a multiple of "
                 f"micro_train_batch_size x {role}_strategy.num_workers = {t.micro_train_batch_size} x {workers}"
             )
-    for role, workers in (("actor", p.actor_strategy.num_workers), ("critic", p.critic_strategy.num_workers),
-                          ("reward", p.reward_workers), ("reference", p.reference_workers)):  # fmt: skip
-        if samples % (workers * t.micro_rollout_batch_size):
+    groups = (("actor", p.actor_strategy.num_workers, True), ("critic", p.critic_strategy.num_workers, critic),
+              ("reward", p.reward_workers, reward), ("reference", p.reference_workers, True))  # fmt: skip
+    for role, workers, used in groups:
+        if used and samples % (workers * t.micro_rollout_batch_size):
             raise ConfigError(
                 f"invalid value {t.micro_rollout_batch_size} for '{name}.train.micro_rollout_batch_size': the "
                 f"{samples} samples of a step do not split into equal micro-batches over the {workers} {role} workers"
@@ -883,6 +1007,9 @@ def _validate_ppo(name: str, p: PPOConfig) -> None:
         raise ConfigError(f"'{name}.colocate_all' needs critic, reward and reference workers <= actor workers")
     if p.colocate_actor_ref and p.reference_workers != p.actor_strategy.num_workers:
         raise ConfigError(f"'{name}.colocate_actor_ref' needs reference_workers == actor_strategy.num_workers")
+    if p.colocate_critic_reward and not (critic and reward):
+        raise ConfigError(f"'{name}.colocate_critic_reward' needs a critic and a reward model; this stage has "
+                          f"{'no critic' if not critic else 'no reward model'}: set it to false")  # fmt: skip
     if p.colocate_critic_reward and p.reward_workers != p.critic_strategy.num_workers:
         raise ConfigError(f"'{name}.colocate_critic_reward' needs reward_workers == critic_strategy.num_workers")
     if p.data.eval_path is None and t.eval_prompts > 0:
@@ -908,8 +1035,28 @@ _NOT_HASHED = {
 _SECRETS = {"key", "secret"}
 
 
+def redact_url(url: str) -> str:
+    """``url`` without credentials (``user:password@``), query string and fragment: safe to log."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:  # unparsable (a bad port...): keep only what is before any '@', '?' or '#'
+        head, sep, rest = url.partition("://")
+        rest = rest.rpartition("@")[2] if sep else head.rpartition("@")[2]
+        rest = rest.split("?", 1)[0].split("#", 1)[0]
+        return f"{head}://{rest}" if sep else rest
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{host}:{port}" if port is not None else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 def to_dict(cfg: Any, redact: bool = True) -> dict:
-    """Plain dict of a config (loadable again); credentials are replaced by '***' unless redact=False."""
+    """Plain dict of a config (loadable again); credentials are replaced by '***' unless redact=False (storage keys,
+    and the user:password@ and query string of a remote reward server's URL)."""
     if not isinstance(cfg, PipelineConfig):
         return dataclasses.asdict(cfg)
     out = {"run_uri": cfg.run_uri, "storage": dataclasses.asdict(cfg.storage)}
@@ -918,6 +1065,9 @@ def to_dict(cfg: Any, redact: bool = True) -> dict:
         for k in _SECRETS:
             if out["storage"].get(k):
                 out["storage"][k] = "***"
+        for section in out["stages"].values():
+            if section.get("remote_rm_url"):
+                section["remote_rm_url"] = redact_url(section["remote_rm_url"])
     return out
 
 
@@ -946,6 +1096,8 @@ def stage_hash(section: Any, upstream: dict[str, str] | None = None) -> str:
         return node
 
     payload = {"stage": strip(dataclasses.asdict(section)), "upstream": upstream or {}}
+    if payload["stage"].get("remote_rm_url"):  # a new token for the same server computes the same rewards
+        payload["stage"]["remote_rm_url"] = redact_url(payload["stage"]["remote_rm_url"])
     code = getattr(section, "reward_fn", None)
     if code:  # the reward function makes the stage's output: editing its file must rerun the stage
         payload["code"] = code_fingerprint(code)

@@ -102,7 +102,7 @@ class SequenceBatch(TensorBatch):
 
 
 # per-token fields of an Experience: (B, T-1) like action_mask; per-row fields: (B,)
-_PER_TOKEN = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+_PER_TOKEN = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns", "is_weights")
 _PER_ROW = ("scores", "truncated")
 
 
@@ -115,11 +115,13 @@ class Experience(SequenceBatch):
 
     old_logprobs: torch.Tensor  # (B, T-1) float, actor log-probs of the sampled tokens at rollout time
     ref_logprobs: torch.Tensor | None = None  # (B, T-1) float, reference-model log-probs; None = no reference model
-    values: torch.Tensor  # (B, T-1) float, critic values at rollout time
-    scores: torch.Tensor  # (B,) float, raw reward-model scores (before normalisation, clipping or penalties)
+    values: torch.Tensor | None = None  # (B, T-1) float, critic values at rollout time; None = no critic
+    scores: torch.Tensor  # (B,) float, the reward of each sequence (before penalties, clipping and group shaping)
     truncated: torch.Tensor | None = None  # (B,) bool, True where the response had no EOS (batching.ensure_eos)
     advantages: torch.Tensor | None = None  # (B, T-1) float, from ppo.gae (then possibly whitened); None before
-    returns: torch.Tensor | None = None  # (B, T-1) float, GAE returns (advantages + values); None before
+    returns: torch.Tensor | None = None  # (B, T-1) float, returns (GAE: advantages + values); None before
+    # (B, T-1) float, truncated importance weights engine -> trainer (algo.is_correction_cap); None = off
+    is_weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -136,8 +138,8 @@ class Experience(SequenceBatch):
         seq: SequenceBatch,
         *,
         old_logprobs: torch.Tensor,
-        values: torch.Tensor,
         scores: torch.Tensor,
+        values: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
     ) -> Experience:

@@ -106,6 +106,18 @@ def logprob_chunk_size(vocab_size: int, max_elements: int = LOGPROB_CHUNK_ELEMEN
     return max(1, max_elements // max(1, vocab_size))
 
 
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy -sum_v p_v log p_v of softmax(logits) over the last dim, as logsumexp(l) - sum_v softmax(l)_v * l_v.
+
+    Args:
+        logits: (..., V).
+    Returns:
+        (...) float32.
+    """
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: Callable, temperature: float) -> torch.Tensor:
     logits = head(hidden).float()
     if temperature != 1.0:
@@ -113,10 +125,20 @@ def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: Callable,
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _chunk_logprobs_entropy(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Callable, temperature: float
+) -> torch.Tensor:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.stack([chosen, entropy_from_logits(logits)], dim=-1)
+
+
 def chunked_token_logprobs(
     hidden: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
-    temperature: float = 1.0, chunk_size: int = 1024,
-) -> torch.Tensor:  # fmt: skip
+    temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """log p(target) for the chosen positions only, ``chunk_size`` positions at a time: logits = ``head(hidden)``,
     log p = logit[target] - logsumexp(logits), the same as ``log_softmax(logits)[target]`` (as
     :func:`token_logprobs`) without ever holding more than one chunk's (chunk_size, V) fp32 logits. With autograd
@@ -129,21 +151,26 @@ def chunked_token_logprobs(
         head: (m, H) -> (m, V) logits (the LM head).
         temperature: > 0; the logits are divided by it.
         chunk_size: positions per chunk (>= 1), e.g. :func:`logprob_chunk_size` of the vocabulary.
+        with_entropy: also the entropy of each position's distribution (:func:`entropy_from_logits` of the
+            tempered logits), from the same chunks.
     Returns:
-        (M,) float32.
+        (M,) float32; with ``with_entropy``, (log-probs, entropies), both (M,).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    fn = _chunk_logprobs_entropy if with_entropy else _chunk_logprobs
     parts = []
     for lo in range(0, hidden.size(0), chunk_size):
         h, t = hidden[lo : lo + chunk_size], targets[lo : lo + chunk_size]
         if torch.is_grad_enabled() and h.requires_grad:
-            parts.append(checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False))
+            parts.append(checkpoint(fn, h, t, head, temperature, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(h, t, head, temperature))
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+            parts.append(fn(h, t, head, temperature))
+    shape = (0, 2) if with_entropy else (0,)
+    out = torch.cat(parts) if parts else hidden.new_zeros(shape, dtype=torch.float32)
+    return (out[:, 0], out[:, 1]) if with_entropy else out
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -205,6 +205,109 @@ def distributed_masked_whiten(
     return _whiten_from_sums(x, mask, sums, shift_mean, divide_std, eps)
 
 
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
+
+
+def policy_loss_tokens(
+    pi_logprobs: torch.Tensor,
+    pi_old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token PPO clipped surrogate loss, with clip-higher, dual clip and importance weights.
+
+    ratio = exp(clamp(pi_logprobs - pi_old_logprobs, -20, 20));
+    loss_t = -min(ratio * A_t, clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A_t);
+    dual clip (Ye et al. 2020), where A_t < 0: loss_t = min(loss_t, -dual_clip * A_t), so that a token whose ratio
+    has run far above 1 + eps contributes at most dual_clip x |A| (and no gradient);
+    ``is_weights``: loss_t * w_t (truncated importance sampling between rollout engine and trainer, no grad).
+
+    Args:
+        pi_logprobs: (B, T) log-probs under the policy being trained (with grad).
+        pi_old_logprobs: (B, T) log-probs under the rollout policy.
+        advantages: (B, T).
+        action_mask: (B, T).
+        clip_eps_low: the ratio's lower bound is 1 - clip_eps_low.
+        clip_eps_high: its upper bound is 1 + clip_eps_high ("clip-higher", DAPO); None = clip_eps_low.
+        dual_clip: c > 1, or None for no dual clip.
+        is_weights: (B, T) weights, or None.
+    Returns:
+        (loss_t, stats): (B, T), 0 where ``action_mask`` is 0; ``clip_frac`` = fraction of action tokens where the
+        clipped term is the (strict) minimum; ``approx_kl`` = token mean of pi_old_logprobs - pi_logprobs;
+        ``dual_clip_frac`` = fraction of action tokens where the dual-clip bound is the (strict) active one.
+    """
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    log_ratio = (pi_logprobs - pi_old_logprobs).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    surr = ratio * advantages
+    surr_clipped = ratio.clamp(1 - clip_eps_low, 1 + high) * advantages
+    loss_t = -torch.min(surr, surr_clipped)
+    dual_active = torch.zeros_like(loss_t, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (bound < loss_t)
+        loss_t = torch.where(dual_active, bound, loss_t)
+    if is_weights is not None:
+        loss_t = loss_t * is_weights.detach()
+    keep = action_mask.bool()
+    loss_t = torch.where(keep, loss_t, torch.zeros_like(loss_t))
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((surr_clipped < surr).to(surr.dtype), action_mask).item(),
+            "approx_kl": masked_mean(-log_ratio, action_mask).item(),
+            "dual_clip_frac": masked_mean(dual_active.to(surr.dtype), action_mask).item(),
+        }
+    return loss_t, stats
+
+
+def aggregate_loss(
+    loss_t: torch.Tensor,
+    action_mask: torch.Tensor,
+    mode: str = "token_mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+    norm_len: float | None = None,
+) -> torch.Tensor:
+    """A per-token loss reduced to a scalar.
+
+    token_mean: sum_t(loss_t * m_t) / num_tokens (every token weighs the same);
+    seq_mean: sum over the rows with an action token of (the row's token mean) / num_sequences (every sequence
+    weighs the same, whatever its length);
+    seq_sum_norm (Dr. GRPO): sum over rows of (the row's token sum / norm_len) / num_sequences, a constant length
+    instead of each row's own.
+
+    Args:
+        loss_t: (B, T) per-token loss.
+        action_mask: (B, T).
+        mode: one of :data:`LOSS_AGGREGATIONS`.
+        num_tokens: token_mean's denominator; None = this batch's action tokens (at least 1). With a window's count
+            (``role_base.WindowNorm``) every token of a gradient-accumulation window weighs the same.
+        num_sequences: the sequence modes' denominator; None = this batch's rows with an action token (at least 1).
+        norm_len: seq_sum_norm's constant length (> 0), e.g. rollout.max_new_tokens.
+    Returns:
+        scalar.
+    """
+    mask = action_mask.to(loss_t.dtype)
+    if mode == "token_mean":
+        tokens = mask.sum().clamp(min=1.0) if num_tokens is None else num_tokens
+        return masked_sum(loss_t, mask) / tokens
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGGREGATIONS}")
+    has_tokens = mask.sum(1) > 0
+    sequences = has_tokens.sum().clamp(min=1).to(loss_t.dtype) if num_sequences is None else num_sequences
+    if mode == "seq_mean":
+        return masked_mean(loss_t, mask, dim=1)[has_tokens].sum() / sequences
+    if norm_len is None or not norm_len > 0:
+        raise ValueError(f"loss aggregation seq_sum_norm needs norm_len > 0 (the constant length), got {norm_len}")
+    return (masked_sum(loss_t, mask, dim=1) / norm_len).sum() / sequences
+
+
 def policy_loss(
     pi_logprobs: torch.Tensor,
     pi_old_logprobs: torch.Tensor,
@@ -213,7 +316,8 @@ def policy_loss(
     clip_eps: float = 0.2,
     num_tokens: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate loss: token mean over the action tokens of the batch, or token sum / ``num_tokens``.
+    """PPO clipped surrogate loss: token mean over the action tokens of the batch, or token sum / ``num_tokens``
+    (:func:`policy_loss_tokens` with a symmetric clip, reduced by :func:`aggregate_loss` token_mean).
 
     ratio = exp(clamp(pi_logprobs - pi_old_logprobs, -20, 20));
     loss_t = -min(ratio * A_t, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A_t).
@@ -232,18 +336,63 @@ def policy_loss(
         (strict) minimum, so its gradient is 0; ``approx_kl`` = token mean of pi_old_logprobs - pi_logprobs. The
         stats are token means over this batch whatever ``num_tokens`` is.
     """
-    log_ratio = (pi_logprobs - pi_old_logprobs).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    surr = ratio * advantages
-    surr_clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    loss_t = -torch.min(surr, surr_clipped)
-    loss = masked_mean(loss_t, action_mask) if num_tokens is None else masked_sum(loss_t, action_mask) / num_tokens
-    with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((surr_clipped < surr).to(surr.dtype), action_mask).item(),
-            "approx_kl": masked_mean(-log_ratio, action_mask).item(),
-        }
-    return loss, stats
+    loss_t, stats = policy_loss_tokens(pi_logprobs, pi_old_logprobs, advantages, action_mask, clip_eps)
+    stats.pop("dual_clip_frac")
+    return aggregate_loss(loss_t, action_mask, "token_mean", num_tokens=num_tokens), stats
+
+
+def kl_loss_tokens(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    estimator: str = "k3",
+    old_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) as a loss term (GRPO's kl_mode=loss), with its gradient through ``logprobs``.
+
+    :func:`approx_kl` of the current log-probs; with ``old_logprobs`` (the unbiased option, DeepSeek-V3.2) times the
+    ratio pi / pi_old = exp(clamp(logprobs - old_logprobs, -20, 20)), which keeps its gradient: the samples come
+    from pi_old, and the ratio makes the estimate that of the KL under pi. For k3 with d = logprobs - ref_logprobs:
+    d k3 / d logprobs = 1 - e^-d; with the ratio at pi = pi_old the gradient is k3 + 1 - e^-d = d.
+
+    Args:
+        logprobs: (B, T) log-probs under the policy being trained (with grad).
+        ref_logprobs: (B, T) under the reference.
+        action_mask: (B, T).
+        estimator: "k1", "k2" or "k3".
+        old_logprobs: (B, T) under the rollout policy, or None.
+    Returns:
+        (B, T), 0 where ``action_mask`` is 0.
+    """
+    kl = approx_kl(logprobs, ref_logprobs, action_mask, estimator)
+    if old_logprobs is not None:
+        kl = kl * (logprobs - old_logprobs).clamp(-20.0, 20.0).exp()
+    return torch.where(action_mask.bool(), kl, torch.zeros_like(kl))
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, action_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance-sampling weights between the rollout engine and the trainer (TIS): the engine sampled
+    from its own numerics, the loss takes the trainer's log-probs as the behaviour policy.
+
+    w_t = min(exp(old_t - rollout_t), cap) on the action tokens; 1 where ``rollout_logprobs`` is NaN (no engine
+    log-prob) or the mask is 0.
+
+    Args:
+        old_logprobs: (B, T) the trainer's log-probs at rollout time.
+        rollout_logprobs: (B, T) the engine's, NaN where it reported none.
+        action_mask: (B, T).
+        cap: > 0.
+    Returns:
+        (B, T), no grad.
+    """
+    if not cap > 0:
+        raise ValueError(f"importance-weight cap must be > 0, got {cap}")
+    valid = action_mask.bool() & ~rollout_logprobs.isnan()
+    diff = torch.where(valid, old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs))
+    return torch.where(valid, diff.clamp(max=20.0).exp().clamp(max=cap), torch.ones_like(old_logprobs))
 
 
 def value_loss(

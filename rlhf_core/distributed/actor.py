@@ -10,19 +10,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhf_core.algos.advantages import whitens
 from rlhf_core.algos.experience import Experience, SequenceBatch
-from rlhf_core.algos.ppo import distributed_masked_whiten, policy_loss
-from rlhf_core.distributed.role_base import TrainableRole, logprob_temperature
+from rlhf_core.algos.losses import masked_mean
+from rlhf_core.algos.ppo import aggregate_loss, distributed_masked_whiten, kl_loss_tokens, policy_loss_tokens
+from rlhf_core.distributed.role_base import TrainableRole, WindowNorm, logprob_temperature
 from rlhf_core.distributed.weight_sync import dtype_name
 from rlhf_core.models.builders import build_causal_lm
 from rlhf_core.models.forward import causal_lm_logprobs
 
 
-def _logprobs(model: Any, batch: SequenceBatch, temperature: float, pack: bool) -> torch.Tensor:
-    """(N, T-1) log-probs of the action tokens (0 elsewhere): packed, chosen tokens only (``models.forward``)."""
+def _logprobs(model: Any, batch: SequenceBatch, temperature: float, pack: bool, with_entropy: bool = False) -> Any:
+    """(N, T-1) log-probs of the action tokens (0 elsewhere): packed, chosen tokens only (``models.forward``);
+    ``with_entropy``: (log-probs, entropies), both (N, T-1)."""
     return causal_lm_logprobs(
         model, batch.input_ids, batch.attention_mask, batch.action_mask,
-        temperature=logprob_temperature(temperature), pack=pack,
+        temperature=logprob_temperature(temperature), pack=pack, with_entropy=with_entropy,
     )  # fmt: skip
 
 
@@ -42,20 +45,43 @@ class PolicyActor(TrainableRole):
         t = self.ctx.temperature if temperature is None else temperature
         return self.forward_batches(batch, lambda model, micro: _logprobs(model, micro, t, self.ctx.strategy.packing))
 
-    def fit(self, exp: Experience, step: int) -> dict[str, float]:
-        """PPO epochs on this rank's shard; advantages are whitened over the whole batch across all actor ranks."""
+    def fit(self, exp: Experience, step: int, kl_coef: float = 0.0) -> dict[str, float]:
+        """PPO epochs on this rank's shard. Advantages are whitened over the whole batch across all actor ranks when
+        the estimator asks for it (``advantages.whitens``: GAE with whiten_advantages, REINFORCE++). The loss per
+        token: the clipped surrogate (clip-higher, dual clip, truncated IS weights), plus ``kl_coef`` x the KL to the
+        reference with ``algo.kl_mode=loss`` (``exp.ref_logprobs``), minus ``algo.entropy_coef`` x the entropy;
+        aggregated over the window as ``algo.loss_agg`` says."""
+        a = self.ctx.algo
         assert exp.advantages is not None, "the actor trains on experience with advantages"
-        if self.ctx.algo.whiten_advantages:
+        if whitens(a.advantage_estimator, a.whiten_advantages):
             exp = exp.with_advantages(
                 distributed_masked_whiten(exp.advantages, exp.action_mask, self.strategy.all_reduce_sum), exp.returns
             )
-        eps, temperature, pack = self.ctx.algo.eps_clip, self.ctx.temperature, self.ctx.strategy.packing
+        kl_loss = a.kl_mode == "loss"
+        assert not kl_loss or exp.ref_logprobs is not None, "kl_mode=loss trains on the reference log-probs"
+        temperature, pack = self.ctx.temperature, self.ctx.strategy.packing
 
-        def loss_fn(model: Any, micro: Experience, num_tokens: float) -> tuple[torch.Tensor, dict]:
-            logp = _logprobs(model, micro, temperature, pack)
-            return policy_loss(
-                logp, micro.old_logprobs, micro.advantages, micro.action_mask, eps, num_tokens=num_tokens
-            )
+        def loss_fn(model: Any, micro: Experience, norm: WindowNorm) -> tuple[torch.Tensor, dict]:
+            mask = micro.action_mask
+            if a.entropy_coef > 0:
+                logp, entropy = _logprobs(model, micro, temperature, pack, with_entropy=True)
+            else:
+                logp, entropy = _logprobs(model, micro, temperature, pack), None
+            loss_t, stats = policy_loss_tokens(
+                logp, micro.old_logprobs, micro.advantages, mask, a.eps_clip, a.eps_clip_high, a.dual_clip,
+                micro.is_weights,
+            )  # fmt: skip
+            if kl_loss:
+                old = micro.old_logprobs if a.kl_loss_unbiased else None
+                kl_t = kl_loss_tokens(logp, micro.ref_logprobs, mask, a.kl_estimator, old_logprobs=old)
+                loss_t = loss_t + kl_coef * kl_t
+                stats["kl_loss"] = masked_mean(kl_t.detach(), mask).item()
+            if entropy is not None:
+                loss_t = loss_t - a.entropy_coef * entropy
+                stats["entropy"] = masked_mean(entropy.detach(), mask).item()
+            loss = aggregate_loss(loss_t, mask, a.loss_agg, num_tokens=norm.tokens, num_sequences=norm.sequences,
+                                  norm_len=self.ctx.max_new_tokens)  # fmt: skip
+            return loss, stats
 
         stats = self.train_epochs(exp, step, loss_fn)
         return {"policy_loss" if k == "loss" else k: v for k, v in stats.items()}

@@ -10,7 +10,7 @@ from torch import nn
 
 from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.ppo import normalize_scores, value_loss
-from rlhf_core.distributed.role_base import TrainableRole
+from rlhf_core.distributed.role_base import TrainableRole, WindowNorm
 from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model
 from rlhf_core.models.forward import scalar_values
 
@@ -38,12 +38,12 @@ class CriticActor(TrainableRole):
         return self.forward_batches(batch, lambda model, micro: _values(model, micro, stats, pack))
 
     def fit(self, exp: Experience, step: int) -> dict[str, float]:
-        assert exp.returns is not None, "the critic trains on experience with returns"
+        assert exp.returns is not None and exp.values is not None, "the critic trains on values and returns"
         clip, stats, pack = self.ctx.algo.value_clip, self.ctx.reward_stats, self.ctx.strategy.packing
 
-        def loss_fn(model: Any, micro: Experience, num_tokens: float) -> tuple[torch.Tensor, dict]:
+        def loss_fn(model: Any, micro: Experience, norm: WindowNorm) -> tuple[torch.Tensor, dict]:
             values = _values(model, micro, stats, pack)
-            return value_loss(values, micro.values, micro.returns, micro.action_mask, clip, num_tokens=num_tokens)
+            return value_loss(values, micro.values, micro.returns, micro.action_mask, clip, num_tokens=norm.tokens)
 
         stats_out = self.train_epochs(exp, step, loss_fn)
         return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in stats_out.items()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
@@ -191,8 +192,11 @@ class RayWorkerGroup(Generic[T]):
         if events.events_path() is not None:  # rank-0 workers append their own step events
             base_env[events.EVENTS_ENV] = events.events_path()
         self.actors: list[Any] = []
+        tag = uuid.uuid4().hex[:8]
         for rank in range(cfg.num_workers):
-            options: dict[str, Any] = {"num_cpus": cfg.cpus_per_worker, "num_gpus": gpus}
+            # named after the role: `ray list actors` and the dashboard show which actor is which (PolicyActor:0:...)
+            options: dict[str, Any] = {"num_cpus": cfg.cpus_per_worker, "num_gpus": gpus,
+                                       "name": f"{factory.__name__}:{rank}:{tag}"}  # fmt: skip
             if cfg.resources and placement is None:  # pinned to the nodes that have them (in a bundle: its node)
                 options["resources"] = dict(cfg.resources)
             if placement is not None:

@@ -43,9 +43,21 @@ class RoleContext:
     run_uri: str
     storage_options: dict
     work_dir: str
+    max_new_tokens: int = 1024  # rollout.max_new_tokens: the constant length of algo.loss_agg=seq_sum_norm
     temperature: float = 1.0  # rollout temperature: log-probs are those of the distribution the engines sampled
     trust_remote_code: bool = False  # <stage>.<role>.trust_remote_code
     reward_stats: tuple[float, float] | None = None  # (mean, std) of the reward model when normalize_reward is on
+
+
+@dataclass(frozen=True)
+class WindowNorm:
+    """The denominators of one micro-batch's loss: the action tokens (``tokens``) and the sequences with at least one
+    action token (``sequences``) of its whole accumulation window over all ranks, each divided by
+    accumulation_steps x world_size (``losses.window_loss_scale``), so that a token (or a sequence) weighs the same
+    wherever it falls in the window."""
+
+    tokens: float
+    sequences: float
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -92,18 +104,18 @@ class TrainableRole:
         return torch.cat(outputs)
 
     def train_epochs(
-        self, batch: B, step: int, loss_fn: Callable[[Any, B, float], tuple[torch.Tensor, dict]]
+        self, batch: B, step: int, loss_fn: Callable[[Any, B, WindowNorm], tuple[torch.Tensor, dict]]
     ) -> dict[str, float]:
         """PPO epochs over this rank's share of the rollout: shuffled micro-batches; DeepSpeed steps the optimizer
         every ``accumulation_steps`` micro-batches of a rank (a window: that many micro-batches on every rank).
 
-        ``loss_fn(engine, micro, num_tokens)`` returns sum_t(loss_t * mask_t) / num_tokens, with
-        num_tokens = N_window / (accumulation_steps x world_size) and N_window the action tokens of the whole window
+        ``loss_fn(engine, micro, norm)`` returns sum_t(loss_t * mask_t) / norm.tokens, with
+        norm.tokens = N_window / (accumulation_steps x world_size) and N_window the action tokens of the whole window
         over all ranks (all-reduced once per epoch): DeepSpeed divides by the accumulation steps and averages over
         ranks, so every action token of a window weighs 1 / N_window, whatever the length of its response and
         however the window splits into micro-batches (OpenRLHF 0.11's token mean over the global accumulation
-        window). Returns ``loss`` = the mean over windows of each window's token-mean loss, and the other stats
-        averaged over micro-batches and ranks."""
+        window). ``norm.sequences`` does the same for sequence-mean losses (``algo.loss_agg``). Returns ``loss`` =
+        the mean over windows of each window's loss, and the other stats averaged over micro-batches and ranks."""
         s = self.strategy
         n, micro_size, gas = batch.size, self.ctx.batch.micro_train_batch_size, s.accumulation_steps
         scale = window_loss_scale(gas, s.world_size)
@@ -117,15 +129,19 @@ class TrainableRole:
                     f"{len(micros)} micro-batches of {micro_size} rows on this rank do not fill whole accumulation "
                     f"windows of {gas}: an optimizer step would straddle two PPO epochs"
                 )
-            window_tokens = torch.tensor(
-                [sum(int(m.action_mask.sum()) for m in micros[w : w + gas]) for w in range(0, len(micros), gas)],
+            # per window: [action tokens, sequences with an action token], summed over the ranks in one collective
+            counts = torch.tensor(
+                [[sum(int(m.action_mask.sum()) for m in micros[w : w + gas]),
+                  sum(int((m.action_mask.sum(1) > 0).sum()) for m in micros[w : w + gas])]
+                 for w in range(0, len(micros), gas)],
                 dtype=torch.float64,
-            )
-            s.all_reduce_sum(window_tokens)
-            windows += len(window_tokens)
+            )  # fmt: skip
+            s.all_reduce_sum(counts)
+            windows += len(counts)
             for i, micro in enumerate(micros):
-                num_tokens = max(float(window_tokens[i // gas]), 1.0) / scale
-                loss, stats = loss_fn(self.engine, device.to_device(micro, self.device), num_tokens)
+                tokens, sequences = (max(float(c), 1.0) / scale for c in counts[i // gas])
+                norm = WindowNorm(tokens=tokens, sequences=sequences)
+                loss, stats = loss_fn(self.engine, device.to_device(micro, self.device), norm)
                 self.engine.backward(loss)
                 self.engine.step()
                 loss_sum += loss.item() / scale  # this micro-batch's share of its window's token mean

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from rlhf_core import events, timing
+from rlhf_core.algos.advantages import cumulative_returns, shape_scores, varied_groups
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.losses import masked_mean
@@ -58,6 +59,7 @@ from rlhf_core.algos.ppo import (
     make_kl_controller,
     normalize_scores,
     token_rewards,
+    truncated_is_weights,
 )
 from rlhf_core.config import (
     ConfigError,
@@ -68,6 +70,7 @@ from rlhf_core.config import (
     RolloutConfig,
     StrategyConfig,
     TrainConfig,
+    reward_sources,
 )
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.data.sampler import global_batch
@@ -82,6 +85,7 @@ from rlhf_core.distributed.trainer import checkpoint_rel, newest_checkpoint, pru
 from rlhf_core.distributed.weight_sync import resolve_backend
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import BUILTIN_PREFIX, load_tokenizer
+from rlhf_core.rewards import RemoteRewardModel, call_reward_fn_with_mask, load_reward_fn
 from rlhf_core.storage import ObjectStore
 from rlhf_core.types import CheckpointRef
 
@@ -114,17 +118,27 @@ def reference_workers(p: PPOConfig) -> int:
     return p.reference_workers if needs_reference(p.algo) else 0
 
 
+def critic_workers(p: PPOConfig) -> int:
+    """Critic ranks: none for the critic-free estimators (no ``critic`` model; validation pairs it with gae)."""
+    return p.critic_strategy.num_workers if p.critic is not None else 0
+
+
+def reward_workers(p: PPOConfig) -> int:
+    """Reward-model workers: none when the rewards come only from a function or a remote server."""
+    return p.reward_workers if p.reward is not None else 0
+
+
 def resource_demand(p: PPOConfig, device: str) -> dict[str, float]:
     """Ray resources the roles and engines ask for (colocated roles share their partner's devices)."""
     a, c = p.actor_strategy, p.critic_strategy
-    cpus = a.num_workers * a.cpus_per_worker + c.num_workers * c.cpus_per_worker
-    cpus += (p.reward_workers + reference_workers(p)) * p.frozen_cpus_per_worker
+    cpus = a.num_workers * a.cpus_per_worker + critic_workers(p) * c.cpus_per_worker
+    cpus += (reward_workers(p) + reference_workers(p)) * p.frozen_cpus_per_worker
     cpus += p.rollout.num_engines * p.rollout.cpus_per_engine
     demand = {"CPU": cpus}
     if device == "cuda":
-        gpus = a.num_workers + c.num_workers + p.rollout.num_engines * p.rollout.tensor_parallel_size
+        gpus = a.num_workers + critic_workers(p) + p.rollout.num_engines * p.rollout.tensor_parallel_size
         gpus += 0 if (p.colocate_actor_ref or p.colocate_all) else reference_workers(p)
-        gpus += 0 if (p.colocate_critic_reward or p.colocate_all) else p.reward_workers
+        gpus += 0 if (p.colocate_critic_reward or p.colocate_all) else reward_workers(p)
         if p.colocate_all:  # every role and engine in the actor's bundles (check_fits: the engines' GPUs fit there)
             gpus = a.num_workers
         demand["GPU"] = gpus
@@ -141,8 +155,8 @@ def pinned_groups(stage: str, p: PPOConfig) -> dict[str, tuple[int, float, dict[
     a, c, r = p.actor_strategy, p.critic_strategy, p.rollout
     groups = {
         f"{stage}.actor_strategy.resources": (a.num_workers, a.cpus_per_worker, a.resources),
-        f"{stage}.critic_strategy.resources": (c.num_workers, c.cpus_per_worker, c.resources),
-        f"{stage}.reward_resources": (p.reward_workers, p.frozen_cpus_per_worker, p.reward_resources),
+        f"{stage}.critic_strategy.resources": (critic_workers(p), c.cpus_per_worker, c.resources),
+        f"{stage}.reward_resources": (reward_workers(p), p.frozen_cpus_per_worker, p.reward_resources),
         f"{stage}.reference_resources": (reference_workers(p), p.frozen_cpus_per_worker, p.reference_resources),
         f"{stage}.rollout.resources": (r.num_engines, r.cpus_per_engine, r.resources),
     }
@@ -174,7 +188,7 @@ def check_fits(
             f"exceeds the {p.actor_strategy.num_workers} actor bundles that '{stage}.colocate_all' shares"
         )
     if p.offload_states_during_rollout:
-        for role in ("actor", "critic"):
+        for role in ("actor", "critic") if p.critic is not None else ("actor",):
             s = getattr(p, f"{role}_strategy")
             if s.zero_stage == 0:  # DeepSpeed's offload_states is a method of its ZeRO-1/2/3 optimizers only
                 raise ConfigError(
@@ -199,16 +213,17 @@ def check_fits(
         if needed > have:
             raise ConfigError(
                 f"{stage}: the roles need {needed:g} {resource} but the Ray cluster has {have:g} "
-                f"(actor {p.actor_strategy.num_workers}, critic {p.critic_strategy.num_workers}, reward "
-                f"{p.reward_workers}, reference {reference_workers(p)}, {p.rollout.num_engines} engine(s) x "
+                f"(actor {p.actor_strategy.num_workers}, critic {critic_workers(p)}, reward "
+                f"{reward_workers(p)}, reference {reference_workers(p)}, {p.rollout.num_engines} engine(s) x "
                 f"tensor_parallel_size {p.rollout.tensor_parallel_size}); lower "
                 f"'{stage}.rollout.num_engines' or the worker counts"
             )
 
 
-def reward_stats(stage: str, p: PPOConfig, reward_path: str) -> tuple[float, float] | None:
-    """(mean, std) stored by the reward-model stage; refused when normalisation is on and they are missing."""
-    if not p.algo.normalize_reward:
+def reward_stats(stage: str, p: PPOConfig, reward_path: str | None) -> tuple[float, float] | None:
+    """(mean, std) stored by the reward-model stage; refused when normalisation is on and they are missing. None
+    without a reward model (a function's or a server's scores are used as they come)."""
+    if not p.algo.normalize_reward or p.reward is None or reward_path is None:
         return None
     if not reward_path.startswith(BUILTIN_PREFIX):
         from transformers import AutoConfig
@@ -253,6 +268,20 @@ def engine_kwargs(
     return kwargs
 
 
+# What each reward source's mean score is logged as (steps, evaluation, metrics.json).
+SOURCE_LOGS = {"reward": "rm_score", "reward_fn": "reward_fn_score", "remote_rm_url": "remote_rm_score"}
+
+
+@dataclasses.dataclass
+class Scored:
+    """A step's experience with each reward source's raw (B,) scores and the reward function's keep mask (or
+    None)."""
+
+    exp: Experience
+    parts: dict[str, torch.Tensor]
+    keep: torch.Tensor | None = None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The controller
 
@@ -277,8 +306,18 @@ class PPOController:
                 f"'{stage}.train.rollout_batch_size' = {p.train.rollout_batch_size} is larger than the "
                 f"{len(self.prompts)} prompts x {p.train.num_episodes} episodes: no PPO step would run"
             )
-        self.stats = reward_stats(stage, p, st.paths["reward"])
+        self.stats = reward_stats(stage, p, st.paths.get("reward"))
         self.gold = load_gold(p.train.gold_reward)
+        self.reward_fn = load_reward_fn(p.reward_fn, f"{stage}.reward_fn") if p.reward_fn is not None else None
+        self.remote: RemoteRewardModel | None = None
+        if p.remote_rm_url is not None:
+            rm = p.remote_rm
+            self.remote = RemoteRewardModel(
+                p.remote_rm_url, f"{stage}.remote_rm_url", timeout_s=rm.timeout_s, retries=rm.retries,
+                backoff_s=rm.backoff_s, batch_size=rm.batch_size,
+            )  # fmt: skip
+        self.weights = {key: p.reward_weights.get(key, 1.0) for key in reward_sources(p)}
+        self.check_reward_sources()
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
         self.device = resolve_device(p.actor_strategy.device)
         # PPO steps in which the actor trains: its LR schedule spans only those (the frozen warm-up steps do not
@@ -299,6 +338,16 @@ class PPOController:
         counts = {role: len(g) if g is not None else 0 for role, g in groups.items()}
         return {**counts, "engines": self.p.rollout.num_engines}
 
+    def check_reward_sources(self) -> None:
+        """Before any worker starts: the reward function answers a probe of two train prompts (empty responses) in
+        the expected shape, and the remote reward server answers (``RemoteRewardModel.check``)."""
+        if self.reward_fn is not None:
+            prompts = [e["prompt"] for e in self.prompts[:2]]
+            call_reward_fn_with_mask(self.reward_fn, self.p.reward_fn or "", f"{self.stage}.reward_fn", prompts,
+                                     [""] * len(prompts))  # fmt: skip
+        if self.remote is not None:
+            self.remote.check()
+
     # -- set-up -------------------------------------------------------------------------------------------------------
     def start(self) -> None:
         from rlhf_core.distributed.rollout_engine import EngineGroup, create_engines
@@ -317,14 +366,17 @@ class PPOController:
         actor_ctx = RoleContext(
             role="actor", model_path=self.st.sources["actor"], tokenizer_path=p.actor.tokenizer,
             init_seed=p.actor.init_seed, trust_remote_code=p.actor.trust_remote_code, strategy=p.actor_strategy,
-            optim=p.actor_optim, total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps), **base,
+            optim=p.actor_optim, total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps),
+            max_new_tokens=p.rollout.max_new_tokens, **base,
         )  # fmt: skip
-        critic_ctx = RoleContext(
-            role="critic", model_path=self.st.sources["critic"], tokenizer_path=p.critic.tokenizer,
-            init_seed=p.critic.init_seed, trust_remote_code=p.critic.trust_remote_code, strategy=p.critic_strategy,
-            optim=p.critic_optim, total_optimizer_steps=optimizer_steps(p, self.steps), reward_stats=self.stats,
-            **base,
-        )  # fmt: skip
+        critic_ctx = None
+        if p.critic is not None:
+            critic_ctx = RoleContext(
+                role="critic", model_path=self.st.sources["critic"], tokenizer_path=p.critic.tokenizer,
+                init_seed=p.critic.init_seed, trust_remote_code=p.critic.trust_remote_code,
+                strategy=p.critic_strategy, optim=p.critic_optim, total_optimizer_steps=optimizer_steps(p, self.steps),
+                reward_stats=self.stats, **base,
+            )  # fmt: skip
 
         def frozen(n: int, resources: dict[str, float]) -> StrategyConfig:
             # the actor's strategy with the frozen role's own counts and pins (never the actor's nodes)
@@ -335,7 +387,7 @@ class PPOController:
         engine_placement: dict[str, Any] = {}
         if p.colocate_all:  # one bundle per actor rank; every role's worker i shares bundle i
             shared = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
-            placement = {"actor": shared, "critic": shared}
+            placement = {"actor": shared, "critic": shared}  # the critic's bundles also hold the reward workers
             # The hybrid engine: engine i's TP ranks in bundles i*tp.., a fifth of each bundle's device and CPU
             # like every role there (OpenRLHF's 0.2 GPU per party), so that all five parties schedule on GPU.
             engine_placement = {"placement": shared, "share": COLOCATED_SHARE, "num_cpus_per_engine": COLOCATED_SHARE}
@@ -356,18 +408,20 @@ class PPOController:
             _slice_if_placed(p.actor_strategy, "actor" in placement), PolicyActor, actor_ctx,
             placement=placement.get("actor"), share=share["actor"],
         )  # fmt: skip
-        self.critic = launcher.RayWorkerGroup(
-            _slice_if_placed(p.critic_strategy, "critic" in placement), CriticActor, critic_ctx,
-            placement=placement.get("critic"), share=share["critic"],
-        )  # fmt: skip
+        if critic_ctx is not None:  # critic-free estimators (REINFORCE++, GRPO, RLOO, ...) start no critic
+            self.critic = launcher.RayWorkerGroup(
+                _slice_if_placed(p.critic_strategy, "critic" in placement), CriticActor, critic_ctx,
+                placement=placement.get("critic"), share=share["critic"],
+            )  # fmt: skip
         precision = p.actor_strategy.precision
-        self.reward = launcher.RayWorkerGroup(
-            _slice_if_placed(frozen(p.reward_workers, p.reward_resources), "critic" in placement), RewardScorer,
-            self.st.sources["reward"], t.micro_rollout_batch_size, precision, tokenizer_path=p.reward.tokenizer,
-            init_seed=p.reward.init_seed, trust_remote_code=p.reward.trust_remote_code,
-            zero_stage=p.frozen_zero_stage, offload=p.frozen_offload,  # 3: one ZeRO-3 copy over the workers
-            packing=p.actor_strategy.packing, placement=placement.get("critic"), share=share["critic"],
-        )  # fmt: skip
+        if p.reward is not None:  # rewards from a function or a server only: no reward-model workers
+            self.reward = launcher.RayWorkerGroup(
+                _slice_if_placed(frozen(p.reward_workers, p.reward_resources), "critic" in placement), RewardScorer,
+                self.st.sources["reward"], t.micro_rollout_batch_size, precision, tokenizer_path=p.reward.tokenizer,
+                init_seed=p.reward.init_seed, trust_remote_code=p.reward.trust_remote_code,
+                zero_stage=p.frozen_zero_stage, offload=p.frozen_offload,  # 3: one ZeRO-3 copy over the workers
+                packing=p.actor_strategy.packing, placement=placement.get("critic"), share=share["critic"],
+            )  # fmt: skip
         if needs_reference(p.algo):
             ref = p.reference or p.actor  # default: the actor's starting model, with the actor's model keys
             self.reference = launcher.RayWorkerGroup(
@@ -377,7 +431,9 @@ class PPOController:
                 trust_remote_code=ref.trust_remote_code, zero_stage=p.frozen_zero_stage, offload=p.frozen_offload,
                 packing=p.actor_strategy.packing, placement=placement.get("actor"), share=share["actor"],
             )  # fmt: skip
-        launcher.wait(self.actor.call_async(PolicyActor.setup) + self.critic.call_async(CriticActor.setup))
+        setups = self.actor.call_async(PolicyActor.setup)
+        setups += self.critic.call_async(CriticActor.setup) if self.critic is not None else []
+        launcher.wait(setups)
         self.engines.wait_ready()
         # Where the engines run, as their actors see it: colocate_all puts them in the roles' shared group.
         self.placement = {
@@ -402,38 +458,75 @@ class PPOController:
 
     # -- phases -------------------------------------------------------------------------------------------------------
     def experience(
-        self, prompt_ids: list[list[int]], responses: list[list[int]], timer: timing.PhaseTimer | None = None
-    ) -> Experience:
-        """Sequences with old/reference log-probs, values and reward scores, each role on its own shards.
+        self, prompt_ids: list[list[int]], responses: list[list[int]], prompts: list,
+        timer: timing.PhaseTimer | None = None,
+    ) -> Scored:  # fmt: skip
+        """Sequences with old/reference log-probs, values (with a critic) and rewards, each role on its own shards.
 
         The actor, reference and critic see the sampled tokens only; the reward model scores prompt + response with
         EOS appended to the responses cut at max_new_tokens (``ensure_eos``), so that every response is scored the
-        way the reward model was trained (at a final EOS) whether or not it stopped by itself. ``timer``: each role's
-        forward as ``experience_<role>``, its seconds from the dispatch of the first role to its last rank's result
-        (the roles run concurrently)."""
-        assert self.actor is not None and self.critic is not None and self.reward is not None
+        way the reward model was trained (at a final EOS) whether or not it stopped by itself. The reward function
+        and the remote server get the raw ``prompts`` (one per prompt id) and the decoded responses, on the driver
+        while the roles compute. ``exp.scores`` is the weighted sum of the sources (``reward_weights``; the reward
+        model's part normalised with its stored statistics). ``timer``: each role's forward as
+        ``experience_<role>`` (and ``experience_reward_fn``, ``experience_remote_rm``), its seconds from the dispatch
+        of the first role to its last result (they run concurrently)."""
+        assert self.actor is not None
         n = len(responses) // len(prompt_ids)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         seq = make_sequences(expanded, responses, self.pad_id)
         closed, truncated = ensure_eos(responses, self.eos_id)
-        scored = make_sequences(expanded, closed, self.pad_id)
         started = time.perf_counter()
         refs = {"actor": self.actor.call_each_async(PolicyActor.logprobs, seq.shard(len(self.actor)))}
         if self.reference is not None:
             refs["reference"] = self.reference.call_each_async(
                 ReferencePolicy.logprobs, seq.shard(len(self.reference))
             )
-        refs["critic"] = self.critic.call_each_async(CriticActor.values, seq.shard(len(self.critic)))
-        refs["reward"] = self.reward.call_each_async(RewardScorer.scores, scored.shard(len(self.reward)))
+        if self.critic is not None:
+            refs["critic"] = self.critic.call_each_async(CriticActor.values, seq.shard(len(self.critic)))
+        if self.reward is not None:
+            scored = make_sequences(expanded, closed, self.pad_id)
+            refs["reward"] = self.reward.call_each_async(RewardScorer.scores, scored.shard(len(self.reward)))
+        parts: dict[str, torch.Tensor] = {}
+        keep = None
+        if self.reward_fn is not None or self.remote is not None:
+            texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+            raw = [pr for pr in prompts for _ in range(n)]
+            if self.reward_fn is not None:
+                t0 = time.perf_counter()
+                fn_scores, fn_keep = call_reward_fn_with_mask(
+                    self.reward_fn, self.p.reward_fn or "", f"{self.stage}.reward_fn", raw, texts
+                )
+                parts["reward_fn"] = torch.tensor(fn_scores, dtype=torch.float32)
+                keep = torch.tensor(fn_keep, dtype=torch.bool) if fn_keep is not None else None
+                if timer is not None:
+                    timer.add("experience_reward_fn", time.perf_counter() - t0)
+            if self.remote is not None:
+                t0 = time.perf_counter()
+                parts["remote_rm_url"] = torch.tensor(self.remote.score(raw, texts), dtype=torch.float32)
+                if timer is not None:
+                    timer.add("experience_remote_rm", time.perf_counter() - t0)
         out, seconds = launcher.wait_timed(refs, started)
         if timer is not None:
-            for role, s in seconds.items():
-                timer.add(f"experience_{role}", s)
-        return Experience.from_sequences(
-            seq, old_logprobs=torch.cat(out["actor"]), values=torch.cat(out["critic"]),
-            scores=torch.cat(out["reward"]), ref_logprobs=torch.cat(out["reference"]) if "reference" in out else None,
-            truncated=truncated,
+            for role, sec in seconds.items():
+                timer.add(f"experience_{role}", sec)
+        if "reward" in out:
+            parts["reward"] = torch.cat(out["reward"])
+        exp = Experience.from_sequences(
+            seq, old_logprobs=torch.cat(out["actor"]), scores=self.combine(parts),
+            values=torch.cat(out["critic"]) if "critic" in out else None,
+            ref_logprobs=torch.cat(out["reference"]) if "reference" in out else None, truncated=truncated,
         )  # fmt: skip
+        return Scored(exp, parts, keep)
+
+    def combine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) reward: sum over the sources of weight x score, the reward model's score normalised (when on)."""
+        total = torch.zeros_like(next(iter(parts.values())))
+        for key, scores in parts.items():
+            if key == "reward" and self.stats is not None:
+                scores = normalize_scores(scores, *self.stats)
+            total = total + self.weights[key] * scores
+        return total
 
     def token_kl(self, exp: Experience, estimator: str) -> torch.Tensor:
         """(B, T-1) KL to the reference on the action tokens; 0 without a reference model."""
@@ -441,26 +534,45 @@ class PPOController:
             return torch.zeros_like(exp.old_logprobs)
         return approx_kl(exp.old_logprobs, exp.ref_logprobs, exp.action_mask, estimator)
 
-    def advantages(self, exp: Experience) -> tuple[Experience, dict[str, float]]:
-        """Scores -> token rewards (KL penalty) -> GAE: the experience with advantages and returns, and the logs."""
-        a = self.p.algo
-        scores = exp.scores
-        if self.stats is not None:
-            scores = normalize_scores(scores, *self.stats)
+    def advantages(
+        self, scored: Scored, engine_logprobs: torch.Tensor | None = None
+    ) -> tuple[Experience, dict[str, float]]:
+        """Rewards -> penalties and clip -> group shaping (``algo.advantage_estimator``) -> token rewards (KL penalty
+        with kl_mode=reward) -> GAE with the critic's values, or the discounted returns (critic-free: the advantage is
+        the return). Samples dropped by the reward function's ``keep`` or by ``algo.dynamic_filter`` lose their action
+        tokens (no part in the loss or the whitening). ``engine_logprobs``: (B, T-1) the engines' log-probs (NaN
+        where none), for the truncated importance weights (``algo.is_correction_cap``)."""
+        a, exp = self.p.algo, scored.exp
         # Missing-EOS penalty after normalisation and before clipping, as OpenRLHF adds its length penalties
         # (length_penalty.py: DAPO overlong, ProRL stop-properly) to the reward model's output, which is already
         # normalised there, before compute_reward clamps it: the penalty is in units of the normalised reward.
+        scores = exp.scores
         if exp.truncated is not None:
             scores = apply_missing_eos_penalty(scores, exp.truncated, a.missing_eos_penalty)
         scores = clip_scores(scores, *a.reward_clip)
+        n = self.p.rollout.n_samples_per_prompt
+        keep = scored.keep if scored.keep is not None else torch.ones(exp.size, dtype=torch.bool)
+        if a.dynamic_filter:
+            keep = keep & varied_groups(scores, n)
         mask = exp.action_mask
         kl = self.token_kl(exp, a.kl_estimator)
-        rewards = token_rewards(scores, kl, mask, self.kl_ctl.value)
-        exp = exp.with_advantages(*gae(rewards, exp.values, mask, a.gamma, a.lam))
+        penalty = self.kl_ctl.value if a.kl_mode == "reward" else 0.0
+        rewards = token_rewards(shape_scores(scores, n, a.advantage_estimator), kl, mask, penalty)
+        if a.advantage_estimator == "gae":
+            assert exp.values is not None, "gae needs the critic's values"
+            exp = exp.with_advantages(*gae(rewards, exp.values, mask, a.gamma, a.lam))
+        else:
+            returns = cumulative_returns(rewards, mask, a.gamma)
+            exp = exp.with_advantages(returns, returns)
+        if a.is_correction_cap is not None and engine_logprobs is not None:
+            weights = truncated_is_weights(exp.old_logprobs, engine_logprobs, mask, a.is_correction_cap)
+            exp = dataclasses.replace(exp, is_weights=weights)
+        if not bool(keep.all()):
+            exp = dataclasses.replace(exp, action_mask=mask * keep.unsqueeze(1).to(mask.dtype))
         truncated = exp.truncated if exp.truncated is not None else torch.zeros(exp.size, dtype=torch.bool)
         logs = {
             "reward": scores.mean().item(),
-            "rm_score": exp.scores.mean().item(),
+            **{SOURCE_LOGS[key]: part.mean().item() for key, part in scored.parts.items()},
             "kl": (kl * mask).sum(1).mean().item(),  # per-sequence sum, mean over the batch
             # OpenRLHF's units (what the adaptive controller reads): each sequence's token mean, mean over the batch
             "kl_token_mean": masked_mean(kl, mask, dim=1).mean().item(),
@@ -468,31 +580,43 @@ class PPOController:
             "truncated_frac": truncated.float().mean().item(),
             "kl_coef": self.kl_ctl.value,
         }
+        if a.dynamic_filter or scored.keep is not None:
+            logs["filtered_frac"] = 1.0 - keep.float().mean().item()
         return exp, logs
 
     def train(
         self, exp: Experience, step: int, actor_frozen: bool, timer: timing.PhaseTimer | None = None
     ) -> dict[str, float]:
-        """The PPO epochs of critic and actor (the actor unless ``actor_frozen``), concurrently; rank 0's stats and
-        both learning rates. ``timer``: ``critic_train`` and ``actor_train``, each group's seconds from the first
-        dispatch to its last rank's result."""
-        assert self.actor is not None and self.critic is not None
-        exp = dataclasses.replace(exp, ref_logprobs=None)  # the trained roles do not read it
+        """The PPO epochs of critic (when there is one) and actor (unless ``actor_frozen``), concurrently; rank 0's
+        stats and the learning rates. ``timer``: ``critic_train`` and ``actor_train``, each group's seconds from the
+        first dispatch to its last rank's result."""
+        assert self.actor is not None
+        if self.p.algo.kl_mode != "loss":
+            exp = dataclasses.replace(exp, ref_logprobs=None)  # the trained roles do not read it
         started = time.perf_counter()
-        refs = {"critic_train": self.critic.call_each_async(CriticActor.fit, exp.shard(len(self.critic)), step)}
+        refs = {}
+        if self.critic is not None:
+            critic_exp = dataclasses.replace(exp, ref_logprobs=None, is_weights=None)
+            refs["critic_train"] = self.critic.call_each_async(
+                CriticActor.fit, critic_exp.shard(len(self.critic)), step
+            )
         if not actor_frozen:
-            refs["actor_train"] = self.actor.call_each_async(PolicyActor.fit, exp.shard(len(self.actor)), step)
+            refs["actor_train"] = self.actor.call_each_async(
+                PolicyActor.fit, exp.shard(len(self.actor)), step, self.kl_ctl.value
+            )
         out, seconds = launcher.wait_timed(refs, started)
         if timer is not None:
-            for name, s in seconds.items():
-                timer.add(name, s)
+            for name, sec in seconds.items():
+                timer.add(name, sec)
         stats: dict[str, float] = {}
         if not actor_frozen:
             stats.update(out["actor_train"][0])
-        stats.update(out["critic_train"][0])
+        if self.critic is not None:
+            stats.update(out["critic_train"][0])
         # The learning rates after this step's optimizer steps (the scheduler has stepped).
         stats["actor_lr"] = self.actor.call(PolicyActor.lr)[0]
-        stats["critic_lr"] = self.critic.call(CriticActor.lr)[0]
+        if self.critic is not None:
+            stats["critic_lr"] = self.critic.call(CriticActor.lr)[0]
         return stats
 
     def push_weights(self) -> dict[str, float]:
@@ -508,10 +632,11 @@ class PPOController:
         ``reload_states``; nothing moves on CPU). Their weights stay for the experience forwards. ``timer``: both
         moves as ``offload_states``."""
         if self.p.offload_states_during_rollout:
-            assert self.actor is not None and self.critic is not None
+            assert self.actor is not None
             method = TrainableRole.offload_states if offload else TrainableRole.reload_states
             started = time.perf_counter()
-            launcher.wait(self.actor.call_async(method) + self.critic.call_async(method))
+            groups = [g for g in (self.actor, self.critic) if g is not None]
+            launcher.wait([ref for g in groups for ref in g.call_async(method)])
             if timer is not None:
                 timer.add("offload_states", time.perf_counter() - started)
 
@@ -529,10 +654,13 @@ class PPOController:
         sampling = SamplingConfig(n=1, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                   seed=self.p.train.seed + 1)  # fmt: skip
         responses = self.engines.generate(ids, sampling)
+        raw = [e["prompt"] for e in self.eval_prompts]
         # pad the eval batch to a multiple every role can split
-        exp = self.experience(*_pad_to_multiple(ids, responses, self._row_multiple()))
-        count = len(ids)
-        out = {"rm_score": exp.scores[:count].mean().item()}
+        scored = self.experience(*_pad_to_multiple(ids, responses, raw, self._row_multiple()))
+        exp, count = scored.exp, len(ids)
+        out = {SOURCE_LOGS[key]: part[:count].mean().item() for key, part in scored.parts.items()}
+        if len(scored.parts) > 1:
+            out["reward"] = exp.scores[:count].mean().item()
         if exp.ref_logprobs is not None:
             mask = exp.action_mask[:count]
             kl = approx_kl(exp.old_logprobs[:count], exp.ref_logprobs[:count], mask, "k1")
@@ -547,8 +675,9 @@ class PPOController:
 
     def _row_multiple(self) -> int:
         p = self.p
-        workers = [p.actor_strategy.num_workers, p.critic_strategy.num_workers, p.reward_workers]
+        workers = [p.actor_strategy.num_workers, critic_workers(p), reward_workers(p)]
         workers += [p.reference_workers] if self.reference is not None else []
+        workers = [w for w in workers if w]
         return math.lcm(*workers) * p.train.micro_rollout_batch_size
 
     def step_phases(self) -> list[str]:
@@ -556,10 +685,15 @@ class PPOController:
         training and the weight sync while the actor is frozen), besides ``timing/step_s``. The top-level phases run
         one after the other; ``experience_<role>`` run concurrently within ``experience`` and ``critic_train`` and
         ``actor_train`` within ``train``, each timed from the first dispatch to its group's last result."""
-        roles = ["actor", *(["reference"] if self.reference is not None else []), "critic", "reward"]
+        p = self.p
+        roles = ["actor", *(["reference"] if needs_reference(p.algo) else []), *(["critic"] if p.critic else [])]
+        roles += ["reward"] if p.reward is not None else []
+        roles += ["reward_fn"] if p.reward_fn is not None else []
+        roles += ["remote_rm"] if p.remote_rm_url is not None else []
         phases = ["generation", "experience", *(f"experience_{r}" for r in roles), "advantages", "train"]
-        phases += ["critic_train", "actor_train", "weight_sync", "checkpoint"]
-        return (["offload_states"] if self.p.offload_states_during_rollout else []) + phases
+        phases += ["critic_train"] if p.critic is not None else []
+        phases += ["actor_train", "weight_sync", "checkpoint"]
+        return (["offload_states"] if p.offload_states_during_rollout else []) + phases
 
     # -- weight-sync checks -------------------------------------------------------------------------------------------
     def probe_logprobs(self) -> tuple[list[float], list[float]]:
@@ -577,14 +711,17 @@ class PPOController:
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict) -> None:
-        assert self.actor is not None and self.critic is not None
+        assert self.actor is not None
         rel = checkpoint_rel(self.stage, state["step"])
         files = self.actor.call(PolicyActor.save_shards, rel)[0]
-        files.update(self.critic.call(CriticActor.save_shards, rel)[0])
+        if self.critic is not None:
+            files.update(self.critic.call(CriticActor.save_shards, rel)[0])
         state = dict(state, kl_ctl=self.kl_ctl.state_dict())
         files["controller_state.json"] = write_entry(self.store, f"{rel}/controller_state.json", json.dumps(state))
         # The ranks that wrote the shards: a resume with other counts is refused (jobs.common.check_resumable).
-        workers = {"actor_strategy.num_workers": len(self.actor), "critic_strategy.num_workers": len(self.critic)}
+        workers = {"actor_strategy.num_workers": len(self.actor)}
+        if self.critic is not None:
+            workers["critic_strategy.num_workers"] = len(self.critic)
         self.store.commit(
             rel, stage=self.stage, config_hash=self.st.config_hash, files=files,
             extra={"step": state["step"], "workers": workers},
@@ -593,9 +730,10 @@ class PPOController:
         print(f"[{self.stage}] checkpoint {self.store.uri(rel)}", flush=True)
 
     def load_checkpoint(self, rel: str) -> dict:
-        assert self.actor is not None and self.critic is not None
+        assert self.actor is not None
         self.actor.call(PolicyActor.load_shards, rel)
-        self.critic.call(CriticActor.load_shards, rel)
+        if self.critic is not None:
+            self.critic.call(CriticActor.load_shards, rel)
         state = json.loads(self.store.read_text(f"{rel}/controller_state.json"))
         self.kl_ctl.load_state_dict(state.pop("kl_ctl"))
         return state
@@ -626,6 +764,7 @@ class PPOController:
             # 1. rollout: step k reads prompts [k*R, (k+1)*R) of the seeded prompt stream
             indices = global_batch(len(self.prompts), t.rollout_batch_size, step, t.seed)
             prompt_ids = [self.prompts[i]["prompt_ids"] for i in indices]
+            prompts = [self.prompts[i]["prompt"] for i in indices]
             sampling = SamplingConfig(
                 n=p.rollout.n_samples_per_prompt, temperature=p.rollout.temperature, top_p=p.rollout.top_p,
                 max_new_tokens=p.rollout.max_new_tokens, seed=t.seed * 100_003 + step,
@@ -636,12 +775,13 @@ class PPOController:
                 self.engines.sleep()  # rollout.enable_sleep: the engines' GPU memory is the trainers' until the sync
             # 2. experience
             with timer.phase("experience"):
-                exp = self.experience(prompt_ids, responses, timer)
-            # 3. rewards (normalised RM score + KL penalty) and GAE
+                scored = self.experience(prompt_ids, responses, prompts, timer)
+            # 3. rewards (sources summed, penalties, group shaping, KL penalty) and advantages (GAE or returns)
             with timer.phase("advantages"):
-                exp, logs = self.advantages(exp)
+                engine_lp = engine_logprob_tensor(scored.exp, engine_logprobs)
+                exp, logs = self.advantages(scored, engine_lp)
                 # The engines were synced after the last update: they sampled from the policy the actor now scores.
-                logs["rollout_logprob_max_diff"] = rollout_logprob_gap(exp, engine_logprobs)
+                logs["rollout_logprob_max_diff"] = rollout_logprob_gap(scored.exp, engine_lp)
             # 4. PPO epochs: the critic always trains, the actor after the frozen warm-up steps
             actor_frozen = not self.train_actor or step < t.freeze_actor_steps
             self.move_training_states(offload=False, timer=timer)
@@ -687,7 +827,7 @@ class PPOController:
         metrics.update({f"{k}_before": v for k, v in state["before"].items()})
         metrics.update({f"{k}_after": v for k, v in after.items()})
         last = state["history"][-1] if state["history"] else {}
-        kept = ("kl", "kl_token_mean", "rm_score", "policy_loss", "critic_loss")
+        kept = ("kl", "kl_token_mean", "reward", *SOURCE_LOGS.values(), "policy_loss", "critic_loss")
         metrics.update({k: last[k] for k in kept if k in last})
         # Seconds per phase of a step, mean and total over the steps (timing/<phase>_s_mean, _total; timing/steps).
         metrics.update(timing.summarize(state["history"]))
@@ -695,17 +835,26 @@ class PPOController:
         return metrics
 
 
-def rollout_logprob_gap(exp: SequenceBatch | Experience, engine_logprobs: list[list[float]]) -> float:
-    """max |engine log-prob - actor old log-prob| over the action tokens: the engines sample at the rollout
-    temperature and report processed log-probs; the actor divides its logits by the same temperature. NaN engine
-    entries (a response the engine did not produce) are skipped; 0.0 when nothing is comparable."""
-    assert isinstance(exp, Experience)
+def engine_logprob_tensor(exp: Experience, engine_logprobs: list[list[float]]) -> torch.Tensor:
+    """(B, T-1) the engines' log-probs of the sampled tokens on the action positions, NaN elsewhere (and where an
+    engine reported none)."""
     engine = torch.full_like(exp.old_logprobs, float("nan"))
     for i, lps in enumerate(engine_logprobs):
         positions = exp.action_mask[i].nonzero().flatten()
         if len(lps) != len(positions):
             raise ValueError(f"response {i}: {len(lps)} engine log-probs for {len(positions)} action tokens")
         engine[i, positions] = torch.tensor(lps, dtype=engine.dtype)
+    return engine
+
+
+def rollout_logprob_gap(exp: SequenceBatch | Experience, engine: torch.Tensor | list[list[float]]) -> float:
+    """max |engine log-prob - actor old log-prob| over the action tokens: the engines sample at the rollout
+    temperature and report processed log-probs; the actor divides its logits by the same temperature. ``engine``:
+    :func:`engine_logprob_tensor` (or the engines' lists). NaN engine entries (a response the engine did not
+    produce) are skipped; 0.0 when nothing is comparable."""
+    assert isinstance(exp, Experience)
+    if not isinstance(engine, torch.Tensor):
+        engine = engine_logprob_tensor(exp, engine)
     valid = exp.action_mask.bool() & ~engine.isnan()
     if not valid.any():
         return 0.0
@@ -722,9 +871,9 @@ def _slice_if_placed(s: StrategyConfig, placed: bool) -> StrategyConfig:
     return replace(s, cpus_per_worker=COLOCATED_SHARE) if placed else s
 
 
-def _pad_to_multiple(ids: list, responses: list, multiple: int) -> tuple[list, list]:
+def _pad_to_multiple(ids: list, responses: list, prompts: list, multiple: int) -> tuple[list, list, list]:
     extra = (-len(ids)) % multiple
-    return ids + ids[:1] * extra, responses + responses[:1] * extra
+    return ids + ids[:1] * extra, responses + responses[:1] * extra, prompts + prompts[:1] * extra
 
 
 def _fmt(logs: dict) -> str:
@@ -738,7 +887,8 @@ def _fmt(logs: dict) -> str:
 def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> CheckpointRef:
     # 1. inputs: config hash (with the upstream outputs' hashes), finished output, then the models
     p: PPOConfig = cfg.stage(stage)
-    models = {"actor": p.actor, "critic": p.critic, "reward": p.reward}
+    models = {"actor": p.actor}
+    models.update({role: m for role, m in (("critic", p.critic), ("reward", p.reward)) if m is not None})
     if needs_reference(p.algo):
         models["reference"] = p.reference or p.actor
     st = common.setup_stage(cfg, stage, models)
@@ -754,8 +904,8 @@ def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> Che
         controller.start()
         metrics = controller.fit()
         extra = {"upstream": upstream}
-        assert controller.actor is not None and controller.critic is not None
-        if train_actor and p.train.save_critic:
+        assert controller.actor is not None
+        if train_actor and p.train.save_critic and controller.critic is not None:
             controller.critic.call(CriticActor.export, f"{stage}/critic", config_hash, metrics, extra)
         store.write_json(
             f"{stage}/metrics.json",
@@ -765,6 +915,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> Che
         if train_actor:
             controller.actor.call(PolicyActor.export, stage, config_hash, metrics, extra)
         else:
+            assert controller.critic is not None, "the critic warm-up trains a critic"
             controller.critic.call(CriticActor.export, stage, config_hash, metrics, extra)
     finally:
         controller.shutdown()

@@ -16,13 +16,7 @@ Writes ``<run_uri>/score/data.<output_format>`` committed by its manifest (``rlh
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import math
 import shutil
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import ConfigError, PipelineConfig, ScoreConfig
@@ -31,70 +25,10 @@ from rlhf_core.data.examples import encode, render_prompt
 from rlhf_core.data.loading import DataError, load_rows, require_keys
 from rlhf_core.data.selection import select_all, select_best, select_pairs, selection_metrics
 from rlhf_core.jobs import common
+from rlhf_core.rewards import call_reward_fn, load_reward_fn
 from rlhf_core.types import CheckpointRef
 
 KIND = "score"
-RewardFn = Callable[[list, list[str]], Sequence[float]]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Reward functions
-
-
-def load_reward_fn(spec: str, key: str) -> RewardFn:
-    """``module:function`` or ``path/to/file.py:function`` (a path relative to the working directory) as a
-    callable; a ConfigError naming ``key`` when the spec is malformed or cannot be imported."""
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise ConfigError(f"'{key}' = {spec!r} is not of the form module:function or path/to/file.py:function")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ConfigError(f"'{key}' = {spec!r}: no file {path.resolve()} (paths are relative to {Path.cwd()})")
-        module_name = f"rlhf_reward_fn_{abs(hash(str(path.resolve())))}"
-        try:
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
-        except Exception as e:  # the user's file: any error at import is a bad reward_fn
-            sys.modules.pop(module_name, None)
-            raise ConfigError(f"'{key}' = {spec!r}: {path} cannot be imported ({type(e).__name__}: {e})") from None
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise ConfigError(f"'{key}' = {spec!r}: module {where!r} cannot be imported ({type(e).__name__}: {e})") \
-                from None  # fmt: skip
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ConfigError(f"'{key}' = {spec!r}: {where} has no attribute {name!r}")
-    if not callable(fn):
-        raise ConfigError(f"'{key}' = {spec!r}: {where}.{name} is not callable (got {type(fn).__name__})")
-    return fn
-
-
-def call_reward_fn(fn: RewardFn, spec: str, key: str, prompts: list, responses: list[str]) -> list[float]:
-    """``fn(prompts, responses)`` checked: one finite float per row, else a ConfigError naming the function."""
-    label = f"'{key}' = {spec!r}"
-    out = fn(list(prompts), list(responses))
-    try:
-        values = list(out)
-    except TypeError:
-        raise ConfigError(f"{label} returned {type(out).__name__}, not a list of floats") from None
-    if len(values) != len(prompts):
-        raise ConfigError(f"{label} returned {len(values)} scores for {len(prompts)} rows")
-    scores = []
-    for i, v in enumerate(values):
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{label} returned {v!r} for row {i + 1}, not a float") from None
-        if not math.isfinite(f):
-            raise ConfigError(f"{label} returned {f} for row {i + 1}: scores must be finite")
-        scores.append(f)
-    return scores
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ def _final_hidden(model: Any, hf: nn.Module, **inputs: Any) -> torch.Tensor:
 def causal_lm_logprobs(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, score_mask: torch.Tensor, *,
     temperature: float = 1.0, pack: bool = True, chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
-) -> torch.Tensor:  # fmt: skip
+    with_entropy: bool = False,
+) -> Any:  # fmt: skip
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) where ``score_mask[:, t]`` is 1, 0 elsewhere.
 
     Args:
@@ -85,8 +86,10 @@ def causal_lm_logprobs(
         pack: remove the padding (packed rows with restarting ``position_ids``) instead of masking it.
         chunk_elements: the logits of one chunk of scored positions hold at most this many elements
             (positions x vocabulary; at least one position).
+        with_entropy: also the entropy of each scored position's next-token distribution (the actor's entropy
+            bonus), from the same chunks of logits.
     Returns:
-        (B, T-1) float32.
+        (B, T-1) float32; with ``with_entropy``, (log-probs, entropies), both (B, T-1) float32.
     """
     hf = unwrap(model)
     b, t = score_mask.bool().nonzero(as_tuple=True)
@@ -102,14 +105,18 @@ def causal_lm_logprobs(
         head = hf.get_output_embeddings()
         hidden = _final_hidden(model, hf, **inputs)[rows, cols]
         chunk = logprob_chunk_size(head.out_features, chunk_elements)
-        chosen = chunked_token_logprobs(hidden, targets, head, temperature, chunk)
+        scored = chunked_token_logprobs(hidden, targets, head, temperature, chunk, with_entropy=with_entropy)
     else:
         logits = model(**inputs, use_cache=False).logits[rows, cols]
         chunk = logprob_chunk_size(logits.size(-1), chunk_elements)
-        chosen = chunked_token_logprobs(logits, targets, nn.Identity(), temperature, chunk)
-    out = torch.zeros(score_mask.shape, dtype=torch.float32, device=chosen.device)
-    out[b, t] = chosen
-    return out
+        scored = chunked_token_logprobs(logits, targets, nn.Identity(), temperature, chunk, with_entropy=with_entropy)
+    parts = scored if with_entropy else (scored,)
+    outs = []
+    for values in parts:
+        out = torch.zeros(score_mask.shape, dtype=torch.float32, device=values.device)
+        out[b, t] = values
+        outs.append(out)
+    return tuple(outs) if with_entropy else outs[0]
 
 
 def scalar_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pack: bool = True):
