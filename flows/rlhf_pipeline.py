@@ -25,7 +25,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from pydantic import BaseModel, Field
 
-from rlhf_core.config import ConfigError, PipelineConfig, load_config, to_yaml
+from rlhf_core.config import ConfigError, PipelineConfig, load_config, redact_url, to_yaml
 from tasks._launch import ROOT, kill_all_jobs, shared_ray
 from tasks.stages import RESULTS, RunSpec, existing_refs, open_store, stage_task
 
@@ -69,6 +69,12 @@ def resolve(params: PipelineParams) -> tuple[PipelineConfig, str]:
             raise ConfigError(
                 f"'{item.split('=', 1)[0]}' cannot be a flow parameter (parameters are stored by Prefect): set "
                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the worker's environment"
+            )
+        key, _, value = item.partition("=")
+        if key.strip().endswith("remote_rm_url") and redact_url(value.strip()) != value.strip():
+            raise ConfigError(
+                f"'{key.strip()}': a reward server URL with credentials or a query string cannot be a flow parameter "
+                "(parameters are stored by Prefect): put it in the preset file"
             )
         if item.split("=", 1)[0].strip() == "run_uri":  # the flow sets it last: an override would be lost
             raise ConfigError(

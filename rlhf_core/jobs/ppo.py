@@ -22,10 +22,16 @@ generation, experience (and each role's forward, ``experience_<role>``), advanta
 ``step`` event and ``metrics.json``'s history; the final metrics add each phase's mean and total over the steps
 (``timing/<phase>_s_mean``, ``timing/<phase>_s_total``, ``rlhf_core.timing.summarize``).
 
-No reference policy is built when ``algo.kl_coef`` = 0 and there is no ``algo.kl_target`` (no KL penalty).
+``algo.advantage_estimator`` (``rlhf_core.algos.advantages``): ``gae`` uses the critic; the critic-free estimators
+(``reinforce++``, ``reinforce++_baseline``, ``grpo``, ``rloo``, ``dr_grpo``) start no critic group and write no critic:
+the advantage is the return of the group-shaped reward. Rewards are the weighted sum (``reward_weights``) of a reward
+model (``reward``), a Python reward function (``reward_fn``, on the driver, which may also drop samples) and a remote
+reward server (``remote_rm_url``, ``rlhf_core.rewards``); at least one is given. No reward-model group is built
+without ``reward``. No reference policy is built when ``algo.kl_coef`` = 0 and there is no ``algo.kl_target`` (no
+KL, neither as a reward penalty nor as a loss term, ``algo.kl_mode``).
 Roles are called through typed handles: ``group.call(PolicyActor.export, ...)``, never by method name.
 
-Writes ``<run_uri>/ppo/`` (the policy, Hugging Face format), ``<run_uri>/ppo/critic/`` and
+Writes ``<run_uri>/ppo/`` (the policy, Hugging Face format), ``<run_uri>/ppo/critic/`` (with a critic) and
 ``<run_uri>/ppo/metrics.json``. The critic warm-up stage runs this same loop with the actor frozen throughout.
 
     python -m rlhf_core.jobs.ppo --config deployments/configs/tiny.yaml

@@ -23,6 +23,12 @@ def test_bad_parameters_are_refused():
         resolve(PipelineParams(overrides=["run_uri=/tmp/x"]))
     with pytest.raises(ValidationError):
         PipelineParams(run_name="../escape")
+    # a reward server's URL may carry a token: not as a parameter (a plain one is fine)
+    with pytest.raises(ConfigError, match="'grpo.remote_rm_url': a reward server URL with credentials") as e:
+        resolve(PipelineParams(preset="tiny-grpo", overrides=["grpo.remote_rm_url=https://rm.example/score?key=s3cr"]))
+    assert "s3cr" not in str(e.value)
+    cfg, _ = resolve(PipelineParams(preset="tiny-grpo", overrides=["grpo.remote_rm_url=http://127.0.0.1:9/score"]))
+    assert cfg.stage("grpo").remote_rm_url == "http://127.0.0.1:9/score"
 
 
 def test_cli_resume_of_an_unknown_run_fails_clearly(tmp_path):

@@ -1,6 +1,8 @@
 """Each alignment method's tiny preset raises the gold reward of the SFT policy on the bundled task: DPO, KTO,
-rejection sampling (2 iterations) and iterative DPO (2 iterations), every policy evaluated alike by a generate stage
-(256 responses to 128 held-out prompts, gold rule; standard error of the mean about 0.01).
+rejection sampling (2 iterations), iterative DPO (2 iterations), critic-free GRPO with the reward model and RLVR
+(GRPO on the gold rule as a reward function, no reward model), every policy evaluated alike by a generate stage
+(256 responses to 128 held-out prompts, gold rule; standard error of the mean about 0.01). The other estimators
+(REINFORCE++, its baseline variant, RLOO, Dr. GRPO) are measured with ``rlhf run`` for the README.
 
 The stages run as ``python -m rlhf_core.jobs.pipeline`` runs them (each kind's ``run`` in dependency order), on the
 session's Ray. The four presets share their SFT, reward-model and eval_sft sections (and the two loops their first
@@ -71,3 +73,16 @@ def test_rejection_sampling_raises_the_gold_reward_in_two_iterations(shared_run)
 
 def test_iterative_dpo_raises_the_gold_reward_in_two_iterations(shared_run, tmp_path):
     _two_iterations(from_shared(shared_run, tmp_path, "tiny-iterative-dpo", *NO_KL), "dpo")
+
+
+def test_grpo_without_a_critic_raises_the_gold_reward(shared_run, tmp_path):
+    m = from_shared(shared_run, tmp_path, "tiny-grpo")
+    assert m["grpo"]["steps"] == 12 and "critic_loss" not in m["grpo"]
+    assert m["eval_grpo"]["gold_reward"] > m["eval_sft"]["gold_reward"] + RISE
+    assert m["eval_grpo"]["kl_to_ref"] > 0
+
+
+def test_rlvr_with_the_gold_rule_and_no_reward_model_raises_the_gold_reward(shared_run, tmp_path):
+    m = from_shared(shared_run, tmp_path, "tiny-rlvr")
+    assert "reward_model" not in m and m["rlvr"]["reward_fn_score"] > -1
+    assert m["eval_rlvr"]["gold_reward"] > m["eval_sft"]["gold_reward"] + RISE

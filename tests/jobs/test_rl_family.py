@@ -1,0 +1,129 @@
+"""The PPO stage beyond GAE and a reward model, as real jobs on the session's Ray: a critic-free estimator (no critic
+actor, no critic output), a remote reward server on loopback (an outage fails the stage, naming the server; the
+stage then resumes from its checkpoint), and reward-function files refused before any worker starts."""
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from rlhf_core.config import ConfigError
+from rlhf_core.jobs import ppo
+from rlhf_core.rewards import RemoteRewardError
+from rlhf_core.storage import ObjectStore
+from tests.conftest import ROOT
+from tests.jobs.conftest import UPSTREAM, cfg_for
+from tests.jobs.test_ppo import no_actors  # noqa: F401 (fixture)
+from tests.test_rewards import free_port
+
+pytestmark = pytest.mark.slow
+
+SHORT = ("ppo.train.eval_prompts=0", "ppo.train.max_steps=2")
+GRPO = ("ppo.critic=null", "ppo.algo.advantage_estimator=grpo", "ppo.rollout.n_samples_per_prompt=4",
+        "ppo.train.train_batch_size=32", "ppo.algo.kl_mode=loss", "ppo.algo.kl_estimator=k3")  # fmt: skip
+
+
+@pytest.fixture
+def run_dir(ppo_inputs, tmp_path):
+    """A private copy of the upstream stages (SFT, reward model, critic), without any PPO output."""
+    target = tmp_path / "run"
+    shutil.copytree(ppo_inputs[0], target, ignore=shutil.ignore_patterns("checkpoints", "ppo"))
+    return target
+
+
+def run_ppo(run_dir, *overrides):
+    return ppo.run(cfg_for(run_dir, *UPSTREAM, *overrides))
+
+
+def ray_actor_names() -> set[str]:
+    """Every actor of the session's Ray cluster, alive or dead, by name (what `ray list actors` shows)."""
+    import ray._private.state
+
+    return {a["Name"] for a in ray._private.state.actors().values() if a.get("Name")}
+
+
+def test_a_critic_free_run_starts_no_critic_actor_and_writes_no_critic(run_dir):
+    before = ray_actor_names()
+    ref = run_ppo(run_dir, *GRPO, *SHORT, "ppo.train.save_steps=1")
+    started = {name.split(":")[0] for name in ray_actor_names() - before}
+    assert started == {"PolicyActor", "ReferencePolicy", "RewardScorer"}, started  # and the rollout engine
+    assert ref.metrics["steps"] == 2
+    out = json.loads((run_dir / "ppo" / "metrics.json").read_text())
+    assert out["roles"]["critic"] == 0 and out["roles"]["actor"] == 1
+    assert not (run_dir / "ppo" / "critic").exists()
+    store = ObjectStore(str(run_dir))
+    manifest = store.read_manifest("ppo/checkpoints/step_00000001")
+    assert manifest.extra["workers"] == {"actor_strategy.num_workers": 1}
+    assert manifest.files and not any(f.startswith("critic") for f in manifest.files)
+    last = out["history"][-1]
+    assert "critic_loss" not in last and "critic_lr" not in last and last["kl_loss"] >= 0
+    assert "timing/critic_train_s" not in last and "timing/experience_critic_s" not in last
+
+
+def _server(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "reward_server.py"), "--port", str(port)],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert "listening on" in proc.stdout.readline()
+    return proc
+
+
+def test_a_remote_reward_server_scores_ppo_and_an_outage_fails_then_resumes(run_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/score"
+    overrides = ("ppo.reward=null", f"ppo.remote_rm_url={url}", "ppo.remote_rm.retries=1",
+                 "ppo.remote_rm.backoff_s=0.1", "ppo.remote_rm.timeout_s=5", "ppo.train.eval_prompts=0",
+                 "ppo.train.max_steps=4", "ppo.train.save_steps=1")  # fmt: skip
+    store = ObjectStore(str(run_dir))
+    server = _server(port)
+
+    def stop_after_first_checkpoint() -> None:
+        deadline = time.monotonic() + 600
+        while not store.is_complete("ppo/checkpoints/step_00000001") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.kill()
+
+    watcher = threading.Thread(target=stop_after_first_checkpoint, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(RemoteRewardError) as failed:
+            run_ppo(run_dir, *overrides)
+    finally:
+        server.kill()
+        watcher.join()
+    message = str(failed.value)
+    assert "'ppo.remote_rm_url'" in message and url in message and "after 2 tries" in message, message
+    assert not store.is_complete("ppo")  # the stage failed: no output committed
+    done = sorted(store.list_dirs("ppo/checkpoints"))
+    assert done and done[-1] != "step_00000004"
+
+    server = _server(port)  # the server is back, on the same address
+    try:
+        ref = run_ppo(run_dir, *overrides)
+    finally:
+        server.kill()
+    assert ref.metrics["resumed_from_step"] == int(done[-1].split("_")[1]) >= 1
+    history = json.loads((run_dir / "ppo" / "metrics.json").read_text())["history"]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert all("remote_rm_score" in h and "rm_score" not in h for h in history)
+    assert ref.metrics["remote_rm_score"] == history[-1]["remote_rm_score"]
+
+
+def test_bad_reward_functions_and_an_unreachable_server_are_refused_before_any_actor(run_dir, tmp_path, no_actors):  # noqa: F811
+    raises = tmp_path / "raises.py"
+    raises.write_text("def score(prompts, responses):\n    return 1 / 0\n")
+    with pytest.raises(ConfigError, match=rf"'ppo.reward_fn' = '{raises}:score' raised ZeroDivisionError"):
+        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={raises}:score")
+    short = tmp_path / "short.py"
+    short.write_text("def score(prompts, responses):\n    return [0.0]\n")
+    with pytest.raises(ConfigError, match=rf"'ppo.reward_fn' = '{short}:score' returned 1 scores for 2 rows"):
+        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={short}:score")
+    with pytest.raises(ConfigError, match=rf"'ppo.reward_fn' = '{short}:missing': .* has no attribute 'missing'"):
+        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={short}:missing")
+    url = f"http://127.0.0.1:{free_port()}/score"
+    with pytest.raises(RemoteRewardError, match=rf"'ppo.remote_rm_url': .*{url}.*cannot connect"):
+        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.remote_rm_url={url}", "ppo.remote_rm.retries=0")
+    assert not (run_dir / "ppo").exists()

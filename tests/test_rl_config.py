@@ -1,0 +1,65 @@
+"""Config of the RL family: each estimator's and reward source's mistakes are refused naming the key and the fix, a
+remote reward server's credentials never reach a dump of the config, and the presets without a critic load."""
+
+import pytest
+
+from rlhf_core.config import ConfigError, load_config, stage_hash, to_yaml
+from tests.conftest import ROOT
+
+PRESETS = ROOT / "deployments" / "configs"
+TINY = PRESETS / "tiny.yaml"
+GRPO = PRESETS / "tiny-grpo.yaml"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ppo.algo.advantage_estimator=grpo"], r"'ppo.critic' is set but .* grpo builds no critic"),
+        (["ppo.critic=null"], r"'ppo.critic.name_or_path' is required: algo.advantage_estimator=gae needs one"),
+        (["critic_warmup.critic=null"], r"'critic_warmup.critic.name_or_path' is required: the critic warm-up"),
+        (
+            ["ppo.critic=null", "ppo.algo.advantage_estimator=rloo", "ppo.rollout.n_samples_per_prompt=1"],
+            r"'ppo.algo.advantage_estimator' = rloo .* 'ppo.rollout.n_samples_per_prompt' >= 2 \(it is 1\)",
+        ),
+        (["ppo.algo.dynamic_filter=true", "ppo.rollout.n_samples_per_prompt=1"], r"'ppo.algo.dynamic_filter'"),
+        (["ppo.reward=null"], r"'ppo' has no reward: give 'ppo.reward.name_or_path'"),
+        (["ppo.reward_weights={reward_fn: 2.0}"], r"'ppo.reward_weights.reward_fn' weighs no reward source"),
+        (["ppo.algo.dual_clip=1.0"], r"'ppo.algo.dual_clip': must be > 1"),
+        (["ppo.algo.eps_clip_high=0"], r"'ppo.algo.eps_clip_high'"),
+        (["ppo.algo.kl_loss_unbiased=true"], r"'ppo.algo.kl_loss_unbiased' applies to the KL loss term"),
+        (["ppo.algo.kl_mode=loss", "ppo.algo.kl_coef=0"], r"'ppo.algo.kl_mode' = loss with kl_coef 0"),
+        (["ppo.algo.is_correction_cap=0"], r"'ppo.algo.is_correction_cap'"),
+        (["ppo.remote_rm_url=ftp://x/score"], r"'ppo.remote_rm_url' = 'ftp://x/score' must be an http"),
+        (["ppo.remote_rm_url=http://h/score", "ppo.remote_rm.timeout_s=0"], r"'ppo.remote_rm.timeout_s'"),
+        (["critic_warmup.algo.advantage_estimator=grpo"], r"critic_warmup.algo.advantage_estimator"),
+    ],
+)
+def test_rl_config_mistakes_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_a_remote_reward_url_with_credentials_is_redacted_and_not_hashed():
+    secret = "http://user:hunter2@127.0.0.1:8123/score?token=s3cr3t"
+    cfg = load_config(TINY, [f"ppo.remote_rm_url={secret}"])
+    assert cfg.stage("ppo").remote_rm_url == secret  # the job itself gets the real URL
+    text = to_yaml(cfg)
+    assert "hunter2" not in text and "s3cr3t" not in text and "127.0.0.1:8123/score" in text
+    # a new token for the same server computes the same rewards: the stage's hash does not change
+    other = load_config(TINY, ["ppo.remote_rm_url=http://user:other@127.0.0.1:8123/score?token=new"])
+    assert stage_hash(cfg.stage("ppo")) == stage_hash(other.stage("ppo"))
+    moved = load_config(TINY, ["ppo.remote_rm_url=http://127.0.0.1:9999/score"])
+    assert stage_hash(moved.stage("ppo")) != stage_hash(cfg.stage("ppo"))
+
+
+@pytest.mark.parametrize("preset", ["tiny-grpo", "tiny-reinforce", "tiny-rloo", "tiny-rlvr"])
+def test_the_critic_free_presets_have_no_critic_stage(preset):
+    cfg = load_config(PRESETS / f"{preset}.yaml")
+    kinds = {cfg.kind(name) for name in cfg.stages}
+    assert "critic_init" not in kinds and "critic_warmup" not in kinds
+    (rl,) = [name for name in cfg.stages if cfg.kind(name) == "ppo"]
+    section = cfg.stage(rl)
+    assert section.critic is None and section.algo.advantage_estimator != "gae"
+    if preset == "tiny-rlvr":
+        assert section.reward is None and section.reward_fn.endswith("gold.py:gold_rewards")
+        assert "reward_model" not in cfg.stages
