@@ -1,6 +1,7 @@
 """The PPO controller's experience and advantage phases on plain in-process roles (no Ray): what each role is given,
 and how truncated responses are scored and penalised."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -49,6 +50,7 @@ def controller(monkeypatch):
     ctl.pad_id, ctl.eos_id = tok.pad_token_id, tok.eos_token_id
     ctl.actor, ctl.critic, ctl.reference = InProcess(Zeros()), InProcess(Zeros()), InProcess(Zeros())
     ctl.reward = InProcess(RewardScorer("builtin:tiny", 2, "fp32", init_seed=1))
+    ctl.reward_fn, ctl.remote, ctl.stats, ctl.weights = None, None, None, {"reward": 1.0}
     return ctl
 
 
@@ -57,7 +59,8 @@ def test_truncated_responses_are_scored_with_eos_and_penalised_before_the_clip(c
     prompts = [[5, 6, 7], [8, 9]]
     responses = [[20, 21, 22, 23], [24, 25, 26, 27, 28, 29], [30, 31, eos], [32, eos]]  # 2 per prompt: 2 cut
     timer = timing.PhaseTimer()
-    exp = controller.experience(prompts, responses, timer)
+    scored = controller.experience(prompts, responses, ["first", "second"], timer)
+    exp = scored.exp
     expanded = [p for p in prompts for _ in range(2)]
     # each role's forward is timed (in-process stand-ins: their results are ready at dispatch)
     assert set(timer.seconds) == {f"experience_{r}" for r in ("actor", "reference", "critic", "reward")}
@@ -70,24 +73,29 @@ def test_truncated_responses_are_scored_with_eos_and_penalised_before_the_clip(c
     # the reward model scores prompt + response + EOS where the response was cut
     closed, truncated = ensure_eos(responses, eos)
     assert truncated.tolist() == [True, True, False, False] and torch.equal(exp.truncated, truncated)
-    scored = make_sequences(expanded, closed, controller.pad_id)
-    assert torch.equal(controller.reward.seen[0].input_ids, scored.input_ids)
+    closed_seq = make_sequences(expanded, closed, controller.pad_id)
+    assert torch.equal(controller.reward.seen[0].input_ids, closed_seq.input_ids)
     scorer = controller.reward.obj
-    torch.testing.assert_close(exp.scores, scorer.scores(scored))
+    torch.testing.assert_close(exp.scores, scorer.scores(closed_seq))  # no stored statistics: the raw scores
     unclosed = scorer.scores(sampled)
     assert (exp.scores[:2] - unclosed[:2]).abs().min() > 1e-4  # the cut ones: scored at the appended EOS
     torch.testing.assert_close(exp.scores[2:], unclosed[2:])
 
-    # advantages: normalise, then the missing-EOS penalty, then the clip (OpenRLHF's order); a new Experience
+    # normalise (with the reward model's stored statistics, when the sources are combined), then the missing-EOS
+    # penalty, then the clip (OpenRLHF's order); the advantages come as a new Experience
     mean, std = exp.scores.mean().item(), 0.1
-    controller.p = SimpleNamespace(algo=PPOAlgoConfig(missing_eos_penalty=-1.0, reward_clip=[-1.2, 1.2]))
     controller.stats = (mean, std)
+    normalised = controller.combine(scored.parts)
+    torch.testing.assert_close(normalised, (exp.scores - mean) / (std + 1e-8))
+    algo = PPOAlgoConfig(missing_eos_penalty=-1.0, reward_clip=[-1.2, 1.2])
+    controller.p = SimpleNamespace(algo=algo, rollout=SimpleNamespace(n_samples_per_prompt=2))
     controller.kl_ctl = make_kl_controller(0.01)
-    out, logs = controller.advantages(exp)
+    exp = dataclasses.replace(exp, scores=normalised)
+    out, logs = controller.advantages(ppo.Scored(exp, scored.parts))
     assert isinstance(out, Experience) and exp.advantages is None and out.advantages is not None
-    expected = ((exp.scores - mean) / (std + 1e-8) - truncated.float()).clamp(-1.2, 1.2)
+    expected = (normalised - truncated.float()).clamp(-1.2, 1.2)
     assert logs["reward"] == pytest.approx(expected.mean().item(), abs=1e-6)
-    assert logs["truncated_frac"] == 0.5 and logs["rm_score"] == pytest.approx(exp.scores.mean().item())
+    assert logs["truncated_frac"] == 0.5 and logs["rm_score"] == pytest.approx(scored.parts["reward"].mean().item())
     # the reward of each row sits on its last action token: the returns there (gamma = 1, critic values 0)
     last = sampled.action_mask.cumsum(1).argmax(1)
     assert (out.returns.gather(1, last[:, None]).squeeze(1) - expected).abs().max() < 1e-5
