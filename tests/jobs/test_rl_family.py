@@ -3,7 +3,6 @@ actor, no critic output), a remote reward server on loopback (an outage fails th
 stage then resumes from its checkpoint), and reward-function files refused before any worker starts."""
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -12,12 +11,10 @@ import time
 import pytest
 
 from rlhf_core.config import ConfigError
-from rlhf_core.jobs import ppo
 from rlhf_core.rewards import RemoteRewardError
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
-from tests.jobs.conftest import UPSTREAM, cfg_for
-from tests.jobs.test_ppo import no_actors  # noqa: F401 (fixture)
+from tests.jobs.conftest import run_ppo
 from tests.test_rewards import free_port
 
 pytestmark = pytest.mark.slow
@@ -25,18 +22,6 @@ pytestmark = pytest.mark.slow
 SHORT = ("ppo.train.eval_prompts=0", "ppo.train.max_steps=2")
 GRPO = ("ppo.critic=null", "ppo.algo.advantage_estimator=grpo", "ppo.rollout.n_samples_per_prompt=4",
         "ppo.train.train_batch_size=32", "ppo.algo.kl_mode=loss", "ppo.algo.kl_estimator=k3")  # fmt: skip
-
-
-@pytest.fixture
-def run_dir(ppo_inputs, tmp_path):
-    """A private copy of the upstream stages (SFT, reward model, critic), without any PPO output."""
-    target = tmp_path / "run"
-    shutil.copytree(ppo_inputs[0], target, ignore=shutil.ignore_patterns("checkpoints", "ppo"))
-    return target
-
-
-def run_ppo(run_dir, *overrides):
-    return ppo.run(cfg_for(run_dir, *UPSTREAM, *overrides))
 
 
 def ray_actor_names() -> set[str]:
@@ -112,7 +97,7 @@ def test_a_remote_reward_server_scores_ppo_and_an_outage_fails_then_resumes(run_
     assert ref.metrics["remote_rm_score"] == history[-1]["remote_rm_score"]
 
 
-def test_bad_reward_functions_and_an_unreachable_server_are_refused_before_any_actor(run_dir, tmp_path, no_actors):  # noqa: F811
+def test_bad_reward_functions_and_an_unreachable_server_are_refused_before_any_actor(run_dir, tmp_path, no_actors):
     raises = tmp_path / "raises.py"
     raises.write_text("def score(prompts, responses):\n    return 1 / 0\n")
     with pytest.raises(ConfigError, match=rf"'ppo.reward_fn' = '{raises}:score' raised ZeroDivisionError"):
