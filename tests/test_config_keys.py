@@ -14,7 +14,9 @@ Probes that need Ray/DeepSpeed (job runs, worker groups, engines, the PPO roles)
 in this process on a one-rank DeepSpeed world: ``PPOController.start()`` (or the whole ``ppo.run``) with Ray's
 transport swapped for in-process calls (``in_process_roles``), so that what is observed is what the controller gave
 each role and what the real role classes built and computed from it. Keys that only act inside a job's loop share
-one job run per distinct config (the cache ignores the run directory).
+one job run per distinct config (the cache ignores the run directory). The reward sources, the critic-free estimators
+and the dynamic filter act on the driver: they are probed fast, on ``PPOController.experience`` with its role groups
+answering fixed numbers (``FixedRole``) and the remote reward servers real loopback ones (``tests/reward_server.py``).
 
 The dpo, kto, generate and score kinds are probed on their own preset (``METHODS``), mostly without Ray: their jobs
 run in this process (``in_process_workers``) with their worker groups local, Ray's cluster a stand-in and the rollout
@@ -32,7 +34,9 @@ import json
 import os
 import re
 import socket
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -690,7 +694,8 @@ def _ppo_setup(cfg: PipelineConfig, stage: str):
     from rlhf_core.jobs import ppo
 
     p = cfg.stage(stage)
-    models = {"actor": p.actor, "critic": p.critic, "reward": p.reward}
+    models = {"actor": p.actor}
+    models.update({role: m for role, m in (("critic", p.critic), ("reward", p.reward)) if m is not None})
     if ppo.needs_reference(p.algo):
         models["reference"] = p.reference or p.actor
     return ppo.PPOController(stage, p, common.setup_stage(cfg, stage, models), cfg.kind(stage) == "ppo")
@@ -728,17 +733,143 @@ def fixed_experience(pad_id: int, eos_id: int):
 
 
 def advantage_phase(cfg: PipelineConfig, stage: str) -> Any:
-    """PPOController.advantages on a fixed Experience (scores -> normalise, EOS penalty, clip -> KL -> GAE), then
-    one KL-controller update."""
+    """PPOController.advantages on a fixed Experience (scores -> EOS penalty, clip -> KL penalty -> GAE), then one
+    KL-controller update."""
+    from rlhf_core.jobs.ppo import Scored
 
     def run():
         c = _ppo_setup(cfg, stage)
-        exp, logs = c.advantages(fixed_experience(c.pad_id, c.eos_id))
+        exp, logs = c.advantages(Scored(fixed_experience(c.pad_id, c.eos_id), {}))
         c.kl_ctl.update(0.5, 64)
         return {"advantages": exp.advantages.tolist(), "returns": exp.returns.tolist(),
                 "reward": round(logs["reward"], 6), "kl_after_update": c.kl_ctl.value}  # fmt: skip
 
     return outcome(run)
+
+
+# The reward sources and the critic-free estimators, fast: PPOController.experience on fixed responses with its role
+# groups answering fixed numbers (FixedRole), then .advantages; the remote reward servers are real loopback servers.
+
+FIXED_RESPONSES = ("a lovely happy day", "a sad day", "the calm lake", "the calm river")  # 2 prompts x 2 samples
+RM_RAW = (1.5, 3.5, 2.5, 2.5)  # the reward model's raw scores: normalised by rm_seed0's (0.5, 2.0), 0.5 1.5 1 1
+ROLE_SEEDS = {"actor": 1, "reference": 2, "critic": 3}
+
+
+class FixedRole:
+    """A one-rank role group answering PPOController.experience's calls with fixed numbers (the actor's and the
+    reference's log-probs, the critic's values, the reward model's raw scores ``RM_RAW``), alike for every config: what
+    differs is only what the controller does with them."""
+
+    def __init__(self, role: str):
+        self.role = role
+
+    def __len__(self) -> int:
+        return 1
+
+    def call_each_async(self, method, shards) -> list:
+        (batch,) = shards
+        rows = batch.input_ids.shape[0]
+        if self.role == "reward":
+            return [torch.tensor(RM_RAW[:rows], dtype=torch.float32)]
+        gen = torch.Generator().manual_seed(ROLE_SEEDS[self.role])
+        numbers = torch.rand(batch.action_mask.shape, generator=gen)
+        return [numbers if self.role == "critic" else -numbers]
+
+
+REWARD_SERVERS: dict[str, Any] = {}  # url -> the loopback reward server (tests/reward_server.py) answering there
+SERVER_OPTIONS = {"reward_url": {}, "failing_url": {"fail_status": 503}, "slow_url": {"delay_s": 0.4}}
+
+
+@contextlib.contextmanager
+def reward_servers():
+    """Within: a loopback reward server for each of ``SERVER_OPTIONS`` (gold scores; always HTTP 503; 0.4 s before
+    each answer), their URLs by name; each records the time of each request it gets (``times``)."""
+    from tests.reward_server import RewardHandler, RewardServer, ServerState
+
+    class TimedHandler(RewardHandler):
+        def do_POST(self) -> None:
+            self.server.times.append(time.monotonic())
+            super().do_POST()
+
+    urls = {}
+    with contextlib.ExitStack() as stack:
+        for name, options in SERVER_OPTIONS.items():
+            server = RewardServer(0, ServerState(**options))
+            server.RequestHandlerClass, server.times = TimedHandler, []
+            thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+            thread.start()
+            stack.callback(thread.join, 5)
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+            urls[name] = server.url
+            REWARD_SERVERS[server.url] = server
+        try:
+            yield urls
+        finally:
+            for url in urls.values():
+                REWARD_SERVERS.pop(url, None)
+
+
+def _r(values: Any) -> list[float]:
+    return [round(float(v), 5) for v in values]
+
+
+def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
+    """PPOController(...) (its reward sources checked), .experience on FIXED_RESPONSES with the roles answering fixed
+    numbers (FixedRole), then .advantages: each source's scores, their weighted sum, advantages, returns, the action
+    tokens left per sample, the logs; with a loopback server at remote_rm_url, the requests it got (rows of each, and
+    whether a pause of >= 0.5 s came between two)."""
+    from rlhf_core.jobs.ppo import needs_reference
+
+    server = REWARD_SERVERS.get(cfg.stage(stage).remote_rm_url or "")
+    seen = (len(server.times), len(server.state.batches)) if server is not None else None
+
+    def run():
+        c = _ppo_setup(cfg, stage)
+        assert c.p.rollout.n_samples_per_prompt == 2, "FIXED_RESPONSES are two samples of two prompts"
+        c.actor = FixedRole("actor")
+        c.critic = FixedRole("critic") if c.p.critic is not None else None
+        c.reward = FixedRole("reward") if c.p.reward is not None else None
+        c.reference = FixedRole("reference") if needs_reference(c.p.algo) else None
+        responses = [c.tokenizer.encode(t, add_special_tokens=False) + [c.eos_id] for t in FIXED_RESPONSES]
+        prompts = c.prompts[:2]
+        scored = c.experience([e["prompt_ids"] for e in prompts], responses, [e["prompt"] for e in prompts])
+        exp, logs = c.advantages(scored)
+        return {
+            "prompts": [e["prompt"] for e in prompts for _ in range(2)],
+            "texts": [c.tokenizer.decode(r, skip_special_tokens=True) for r in responses],
+            "parts": {k: _r(v) for k, v in scored.parts.items()}, "scores": _r(scored.exp.scores),
+            "advantages": _rounded(exp.advantages), "returns": _rounded(exp.returns),
+            "action_tokens": exp.action_mask.sum(1).tolist(), "logs": {k: round(v, 5) for k, v in logs.items()},
+        }  # fmt: skip
+
+    out: dict[str, Any] = {"result": outcome(run)}
+    if server is not None:
+        times = server.times[seen[0] :]
+        out |= {"requests": len(times), "rows": server.state.batches[seen[1] :],
+                "backed_off": any(b - a >= 0.5 for a, b in zip(times, times[1:]))}  # fmt: skip
+    return out
+
+
+def _result(*path: str) -> Callable[[Any], Any]:
+    """A part of experience_phase's result (None when the controller raised)."""
+
+    def get(observed: dict) -> Any:
+        out = observed["result"]
+        if isinstance(out, tuple):
+            return None
+        for part in path:
+            out = out[part]
+        return out
+
+    return get
+
+
+def _gold(observed: dict) -> list[float]:
+    from tests.reward_server import gold_scores
+
+    out = observed["result"]
+    return _r(gold_scores(out["prompts"], out["texts"]))
 
 
 def ppo_plan(cfg: PipelineConfig, stage: str) -> Any:
@@ -882,10 +1013,12 @@ def _trained_role(role: Any) -> dict:
 def _role_report(c) -> dict:
     """After start(): what each role built, then the phases on fixed sequences: experience (with the forward
     micro-batch sizes of each role), the held-out evaluation, one train() on that experience (its old log-probs and
-    values shifted, so that the clips act)."""
+    values shifted, so that the clips act; the engines' log-probs taken as the unshifted ones, 0.5 above the old
+    ones, for the truncated importance weights)."""
     tokenizer_len = len(c.tokenizer)
     gen = torch.Generator().manual_seed(0)
     prompts = [e["prompt_ids"] for e in c.prompts[:8]]
+    texts = [e["prompt"] for e in c.prompts[:8]]
     responses = [torch.randint(5, tokenizer_len, (2 + i % 5,), generator=gen).tolist() + [c.eos_id] * (i % 2)
                  for i in range(16)]  # fmt: skip
     roles = {"actor": c.actor.obj.engine.module, "critic": c.critic.obj.engine.module, "reward": c.reward.obj.model}
@@ -905,15 +1038,17 @@ def _role_report(c) -> dict:
     calls = out["micro_batches"]
     hooks = [m.register_forward_pre_hook(forward_record(calls[r]), with_kwargs=True) for r, m in roles.items()]
     try:
-        exp = c.experience(prompts, responses)
+        scored = c.experience(prompts, responses, texts)
     finally:
         for h in hooks:
             h.remove()
+    exp = scored.exp
     out["logprobs"] = {"old": _rounded(exp.old_logprobs), "ref": _rounded(exp.ref_logprobs)}
     out["evaluate"] = {k: round(v, 6) for k, v in c.evaluate().items()}
     mask = exp.action_mask
     shifted = dataclasses.replace(exp, old_logprobs=exp.old_logprobs - 0.5 * mask, values=exp.values + 0.5 * mask)
-    shifted, _ = c.advantages(shifted)
+    engine = torch.where(mask.bool(), exp.old_logprobs, torch.full_like(exp.old_logprobs, float("nan")))
+    shifted, _ = c.advantages(dataclasses.replace(scored, exp=shifted), engine)
     # Forwards of each trained role's first decoder layer in train(): twice as many when backward recomputes them.
     out["layer_forwards_in_train"] = calls = {"actor": 0, "critic": 0}
     layers = {r: next(m for m in roles[r].modules() if type(m).__name__.endswith("DecoderLayer")) for r in calls}
@@ -1081,6 +1216,133 @@ REMOTE_BASES = {"actor": "{remote_code_model}", "critic": "{remote_code_rm}", "r
 
 def _raised_then(cls_prefix: str) -> Callable[[Any, Any], bool]:
     return lambda a, b: a[0] == "raised" and b["class"].startswith(cls_prefix)
+
+
+def _advantages_are_returns(observed: dict) -> bool:
+    return _result("advantages")(observed) == _result("returns")(observed)
+
+
+def _shifted_by(a: dict, b: dict, weight: float, source: str) -> bool:
+    """b's summed scores are a's with ``source`` weighed by ``weight`` instead of 1 (its own part unchanged)."""
+    parts, before, after = _result("parts")(a), _result("scores")(a), _result("scores")(b)
+    expected = [s + (weight - 1.0) * x for s, x in zip(before, parts[source])]
+    return parts == _result("parts")(b) and all(_close(x, y) for x, y in zip(after, expected))
+
+
+# Rewards by a function (no reward model): the response's length (score and the PPO kinds)
+BY_LENGTH = ("{stage}.reward=null", "{stage}.reward_fn=tests/data/config_keys/reward_fn.py:response_length")
+# The server that answers HTTP 503 to every request, tried three times without pauses
+FAILING_SERVER = ("{stage}.remote_rm_url={failing_url}", "{stage}.remote_rm.retries=2",
+                  "{stage}.remote_rm.backoff_s=0")  # fmt: skip
+# The KL term in the actor's loss, to a reference other than the actor's starting model (else it is 0 at step 0)
+KL_LOSS = ("{stage}.algo.kl_mode=loss", "{stage}.reference.name_or_path=builtin:tiny", "{stage}.reference.init_seed=1")
+
+# The estimators, the actor-loss options and the reward sources (the kinds' StageKind.unused filters them): fast on
+# experience_phase / advantage_phase, slow where they act in PolicyActor.fit (train_phase on the in-process roles).
+RL_PROBES: dict[str, Probe] = {
+    "algo.advantage_estimator": probe(  # critic-free: the advantage is the return of the group-normalised score
+        "{stage}.algo.advantage_estimator=grpo",
+        "{stage}.critic=null",
+        observe=experience_phase,
+        expect=lambda a, b: not _advantages_are_returns(a) and _advantages_are_returns(b),
+    ),
+    "algo.dynamic_filter": probe(  # the second prompt's samples score alike (RM_RAW): dropped
+        "{stage}.algo.dynamic_filter=true",
+        observe=experience_phase,
+        expect=lambda a, b: (
+            "filtered_frac" not in _result("logs")(a)
+            and _result("logs")(b)["filtered_frac"] == 0.5
+            and _result("action_tokens")(b)[2:] == [0, 0]
+            and _result("action_tokens")(a)[2:] != [0, 0]
+        ),
+    ),  # fmt: skip
+    "algo.kl_mode": probe("{stage}.algo.kl_mode=loss", observe=advantage_phase),  # no KL penalty in the rewards
+    "algo.kl_loss_unbiased": probe(  # the KL term weighed by pi / pi_old (the old log-probs are 0.5 below)
+        "{stage}.algo.kl_loss_unbiased=true",
+        observe=train_phase,
+        base=KL_LOSS,
+        slow=True,
+        expect=lambda a, b: a["kl_loss"] != b["kl_loss"],
+    ),
+    "algo.eps_clip_high": probe(  # the ratio starts at e^0.5 = 1.65: clipped at 1.2, not at 1.8
+        "{stage}.algo.eps_clip_high=0.8",
+        observe=train_phase,
+        slow=True,
+        expect=lambda a, b: b["clip_frac"] < a["clip_frac"],
+    ),
+    "algo.dual_clip": probe(
+        "{stage}.algo.dual_clip=1.1",
+        observe=train_phase,
+        slow=True,
+        expect=lambda a, b: a["dual_clip_frac"] == 0 < b["dual_clip_frac"],
+    ),
+    "algo.loss_agg": probe(  # responses of 2 to 7 tokens: each sequence weighs the same instead of each token
+        "{stage}.algo.loss_agg=seq_mean",
+        observe=train_phase,
+        slow=True,
+        expect=lambda a, b: a["policy_loss"] != b["policy_loss"],
+    ),
+    "algo.entropy_coef": probe(
+        "{stage}.algo.entropy_coef=0.01",
+        observe=train_phase,
+        slow=True,
+        expect=lambda a, b: "entropy" not in a and b["entropy"] > 0,
+    ),
+    "algo.is_correction_cap": probe(  # the engines' log-probs are 0.5 above the old ones: weights e^-0.5
+        "{stage}.algo.is_correction_cap=2.0",
+        observe=train_phase,
+        slow=True,
+        expect=lambda a, b: a["policy_loss"] != b["policy_loss"],
+    ),
+    "reward_fn": probe(  # instead of the reward model: the response's length
+        *BY_LENGTH,
+        observe=experience_phase,
+        expect=lambda a, b: (
+            _result("parts")(b) == {"reward_fn": [float(len(t)) for t in _result("texts")(b)]}
+            and "reward_fn_score" in _result("logs")(b)
+            and "rm_score" not in _result("logs")(b)
+        ),
+    ),  # fmt: skip
+    "remote_rm_url": probe(  # the server's gold scores added; its requests: the check, then the batch
+        "{stage}.remote_rm_url={reward_url}",
+        observe=experience_phase,
+        expect=lambda a, b: _result("parts", "remote_rm_url")(b) == _gold(b) and b["rows"] == [1, 4],
+    ),
+    "remote_rm.batch_size": probe(
+        "{stage}.remote_rm.batch_size=1",
+        observe=experience_phase,
+        base=("{stage}.remote_rm_url={reward_url}",),
+        expect=lambda a, b: (a["rows"], b["rows"]) == ([1, 4], [1, 1, 1, 1, 1]) and a["result"] == b["result"],
+    ),
+    "remote_rm.retries": probe(  # HTTP 503 to every request: tried once, then three times
+        "{stage}.remote_rm.retries=2",
+        observe=experience_phase,
+        base=(*FAILING_SERVER, "{stage}.remote_rm.retries=0"),
+        expect=lambda a, b: (
+            (a["requests"], b["requests"]) == (1, 3) and a["result"] == b["result"] == ("raised", "RemoteRewardError")
+        ),
+    ),  # fmt: skip
+    "remote_rm.backoff_s": probe(  # the third try after 2 x 0.5 s
+        "{stage}.remote_rm.backoff_s=0.5",
+        observe=experience_phase,
+        base=FAILING_SERVER,
+        expect=lambda a, b: (
+            (a["requests"], b["requests"]) == (3, 3) and (a["backed_off"], b["backed_off"]) == (False, True)
+        ),
+    ),
+    "remote_rm.timeout_s": probe(  # the server answers after 0.4 s
+        "{stage}.remote_rm.timeout_s=0.1",
+        observe=experience_phase,
+        base=("{stage}.remote_rm_url={slow_url}", "{stage}.remote_rm.retries=0"),
+        expect=lambda a, b: isinstance(a["result"], dict) and b["result"] == ("raised", "RemoteRewardError"),
+    ),
+    "reward_weights": probe(  # reward model + length; the length at half weight
+        "{stage}.reward_weights={{reward_fn: 0.5}}",
+        observe=experience_phase,
+        base=(BY_LENGTH[1],),
+        expect=lambda a, b: _shifted_by(a, b, 0.5, "reward_fn"),
+    ),
+}
 
 
 def _ppo_section(kind: str) -> dict[str, Probe]:
@@ -1306,11 +1568,16 @@ def _ppo_section(kind: str) -> dict[str, Probe]:
         "algo.lam": probe("{stage}.algo.lam=0.5", observe=advantage_phase),
         "algo.eps_clip": probe("{stage}.algo.eps_clip=0.1", observe=train_phase, slow=True),
         "algo.value_clip": probe("{stage}.algo.value_clip=0.1", observe=train_phase, slow=True),
-        "algo.normalize_reward": probe("{stage}.algo.normalize_reward=false", observe=advantage_phase),
+        "algo.normalize_reward": probe(  # the reward model's part of the rewards: raw instead of normalised
+            "{stage}.algo.normalize_reward=false",
+            observe=experience_phase,
+            expect=lambda a, b: _result("scores")(b) == list(RM_RAW) != _result("scores")(a),
+        ),
         "algo.reward_clip": probe("{stage}.algo.reward_clip=[-1.0,1.0]", observe=advantage_phase),
         "algo.missing_eos_penalty": probe("{stage}.algo.missing_eos_penalty=-1.0", observe=advantage_phase),
         "algo.whiten_advantages": probe("{stage}.algo.whiten_advantages=false", observe=train_phase, slow=True),
         "algo.ppo_epochs": probe("{stage}.algo.ppo_epochs=2", observe=ppo_plan),
+        **RL_PROBES,
         "train.rollout_batch_size": probe("{stage}.train.rollout_batch_size=32", observe=ppo_controller),
         "train.train_batch_size": probe("{stage}.train.train_batch_size=8", observe=ppo_plan),
         "train.micro_train_batch_size": probe(
@@ -1850,7 +2117,6 @@ GENERATE_SECTION: dict[str, Probe] = {
 
 # score: the rows of 4 prompts x 3 responses; scored by builtin:tiny as a reward model, or by their length
 SCORED_ROWS = DATA / "generated_splits"
-BY_LENGTH = ("{stage}.reward=null", "{stage}.reward_fn=tests/data/config_keys/reward_fn.py:response_length")
 scores_of = in_process_part("rows", doc="The rows score committed: each with its score (select all).")
 scorer_groups = in_process_part("groups", doc="score's reward-model group: what it got, its forwards.")
 
@@ -2066,7 +2332,9 @@ def _with_remote_code(model: torch.nn.Module, tokenizer, out: Path, architecture
 
 
 @pytest.fixture(scope="session")
-def paths(tmp_path_factory) -> dict[str, str]:
+def paths(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """Fixture files by name (a second tokenizer, models with custom code, tiny reward models), and the URLs of the
+    loopback reward servers (``reward_servers``)."""
     root = tmp_path_factory.mktemp("config-keys")
     tokenizer = load_tokenizer("builtin:tiny")
     alt = load_tokenizer("builtin:tiny")
@@ -2084,7 +2352,8 @@ def paths(tmp_path_factory) -> dict[str, str]:
     rm = build_scalar_model("builtin:tiny", tokenizer, seed=0, dtype=torch.float32, attn="sdpa")
     rm.config.reward_mean, rm.config.reward_std = 0.5, 2.0  # usable as a PPO reward model with normalize_reward
     out["remote_code_rm"] = _with_remote_code(rm, tokenizer, root / "remote_rm", "ProbeForSequenceClassification")
-    return out
+    with reward_servers() as urls:
+        yield {**out, **urls}
 
 
 @pytest.fixture(autouse=True)
