@@ -277,6 +277,14 @@ def colocation_group(bundles: int, cpus_per_bundle: float, device: str) -> Any:
     return group
 
 
+def release_group(group: Any) -> None:
+    """Remove a placement group made by :func:`colocation_group` (its bundles' CPUs and GPUs go back to the
+    cluster: a long-lived or shared Ray would otherwise keep them reserved after the stage)."""
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(group)
+
+
 class Fits(Protocol):
     """A class whose instances train with ``fit()`` (e.g. ``SupervisedTrainer``)."""
 

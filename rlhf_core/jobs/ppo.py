@@ -335,6 +335,7 @@ class PPOController:
         self.reference: launcher.RayWorkerGroup[ReferencePolicy] | None = None
         self.engines: Any = None
         self.placement: dict[str, Any] = {}
+        self.placement_groups: list[Any] = []
         self.started_ray = False
 
     @property
@@ -397,11 +398,13 @@ class PPOController:
             # The hybrid engine: engine i's TP ranks in bundles i*tp.., a fifth of each bundle's device and CPU
             # like every role there (OpenRLHF's 0.2 GPU per party), so that all five parties schedule on GPU.
             engine_placement = {"placement": shared, "share": COLOCATED_SHARE, "num_cpus_per_engine": COLOCATED_SHARE}
+            self.placement_groups.append(shared)
         else:
             if p.colocate_actor_ref:
                 placement["actor"] = launcher.colocation_group(p.actor_strategy.num_workers, 1.0, self.device)
             if p.colocate_critic_reward:
                 placement["critic"] = launcher.colocation_group(p.critic_strategy.num_workers, 1.0, self.device)
+            self.placement_groups += list(placement.values())
         shared_share = COLOCATED_SHARE if p.colocate_all else 0.5
         share = {role: shared_share if role in placement else 1.0 for role in ("actor", "critic")}
         handles = create_engines(
@@ -459,6 +462,9 @@ class PPOController:
         for group in (self.actor, self.critic, self.reward, self.reference, self.engines):
             if group is not None:
                 group.shutdown()
+        for bundles in self.placement_groups:  # the colocation groups' reserved CPUs/GPUs back to the cluster
+            launcher.release_group(bundles)
+        self.placement_groups = []
         if self.started_ray:
             launcher.shutdown_ray()
 

@@ -174,6 +174,12 @@ def test_config_mistakes_are_refused_before_any_actor_starts(run_dir, no_actors)
     assert not (run_dir / "ppo").exists()
 
 
+def _live_placement_groups() -> set[str]:
+    import ray
+
+    return {pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"}
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -183,7 +189,10 @@ def test_config_mistakes_are_refused_before_any_actor_starts(run_dir, no_actors)
     ids=["actor+ref,critic+reward,T=0.7", "all,greedy"],
 )
 def test_colocated_roles_run_in_placement_groups(run_dir, layout):
+    before = _live_placement_groups()
     ref = run_ppo(run_dir, *layout, "ppo.train.max_steps=2", "ppo.train.eval_prompts=0")
+    # the stage's placement groups are released with it: their CPUs go back to the (shared) cluster
+    assert _live_placement_groups() == before
     assert ref.metrics["steps"] == 2 and ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-5
     # HF generate's scores (after its temperature warper) are the actor's log_softmax(logits / T), T = 1 if greedy
     gaps = [h["rollout_logprob_max_diff"] for h in history_of(run_dir)]
