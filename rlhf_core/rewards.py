@@ -105,13 +105,20 @@ def call_reward_fn_with_mask(
     return _check_scores(out, label, len(prompts)), keep
 
 
-def _check_scores(out: Any, label: str, rows: int) -> list[float]:
+def _row_values(out: Any, label: str, rows: int, what: str, noun: str, kind: str) -> list:
+    """``out`` as a list of one value per row; a ConfigError (``label`` returned ...) when it is not a sequence or
+    has another length. ``what``: how the returned value is named; ``noun``: its elements; ``kind``: their type."""
     try:
         values = list(out)
     except TypeError:
-        raise ConfigError(f"{label} returned {type(out).__name__}, not a list of floats") from None
+        raise ConfigError(f"{label} returned {what}{type(out).__name__}, not a list of {kind}") from None
     if len(values) != rows:
-        raise ConfigError(f"{label} returned {len(values)} scores for {rows} rows")
+        raise ConfigError(f"{label} returned {len(values)} {noun} for {rows} rows")
+    return values
+
+
+def _check_scores(out: Any, label: str, rows: int) -> list[float]:
+    values = _row_values(out, label, rows, "", "scores", "floats")
     scores = []
     for i, v in enumerate(values):
         try:
@@ -125,12 +132,7 @@ def _check_scores(out: Any, label: str, rows: int) -> list[float]:
 
 
 def _check_keep(out: Any, label: str, rows: int) -> list[bool]:
-    try:
-        values = list(out)
-    except TypeError:
-        raise ConfigError(f"{label} returned 'keep' = {type(out).__name__}, not a list of bools") from None
-    if len(values) != rows:
-        raise ConfigError(f"{label} returned {len(values)} 'keep' flags for {rows} rows")
+    values = _row_values(out, label, rows, "'keep' = ", "'keep' flags", "bools")
     keep = []
     for i, v in enumerate(values):
         # a bool, or a numpy/torch boolean scalar; never 0/1 or a string

@@ -55,7 +55,7 @@ import torch
 from rlhf_core import events, timing
 from rlhf_core.algos.advantages import cumulative_returns, shape_scores, varied_groups
 from rlhf_core.algos.batching import ensure_eos, make_sequences
-from rlhf_core.algos.experience import Experience, SequenceBatch
+from rlhf_core.algos.experience import Experience
 from rlhf_core.algos.losses import masked_mean
 from rlhf_core.algos.ppo import (
     apply_missing_eos_penalty,
@@ -859,14 +859,11 @@ def engine_logprob_tensor(exp: Experience, engine_logprobs: list[list[float]]) -
     return engine
 
 
-def rollout_logprob_gap(exp: SequenceBatch | Experience, engine: torch.Tensor | list[list[float]]) -> float:
+def rollout_logprob_gap(exp: Experience, engine: torch.Tensor) -> float:
     """max |engine log-prob - actor old log-prob| over the action tokens: the engines sample at the rollout
     temperature and report processed log-probs; the actor divides its logits by the same temperature. ``engine``:
-    :func:`engine_logprob_tensor` (or the engines' lists). NaN engine entries (a response the engine did not
-    produce) are skipped; 0.0 when nothing is comparable."""
-    assert isinstance(exp, Experience)
-    if not isinstance(engine, torch.Tensor):
-        engine = engine_logprob_tensor(exp, engine)
+    :func:`engine_logprob_tensor`. NaN engine entries (a response the engine did not produce) are skipped; 0.0 when
+    nothing is comparable."""
     valid = exp.action_mask.bool() & ~engine.isnan()
     if not valid.any():
         return 0.0
