@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -20,6 +21,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 MANIFEST_NAME = "manifest.json"
+#: Fault injection for tests: seconds to sleep after each uploaded file, so that a test can stop the object store
+#: in the middle of an upload.
+UPLOAD_PAUSE_ENV = "RLHF_UPLOAD_PAUSE_S"
 _CHUNK = 4 << 20
 
 
@@ -190,6 +194,8 @@ class ObjectStore:
             dest = self._path(rel, relpath)
             self._mkparent(dest)
             self.fs.put_file(full, dest)
+            if pause := float(os.environ.get(UPLOAD_PAUSE_ENV) or 0):  # fault injection for tests
+                time.sleep(pause)
         self.fs.invalidate_cache()
         return entries
 
