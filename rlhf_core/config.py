@@ -550,6 +550,45 @@ def topological_order(cfg: PipelineConfig) -> list[str]:
 # Loading
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping names one key twice (PyYAML would keep the last value without a word)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"key '{key}' appears twice in one mapping (first at line {first}): the later value would "
+                         "silently win; keep one")  # fmt: skip
+        self.line = line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (keys merged in with ``<<:`` may be overridden)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(key, line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def strict_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (DuplicateKeyError)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: its problem and where."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(getattr(e, "problem", None) or e).split())
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
     """Merge a YAML preset and ``a.b.c=value`` overrides into a validated ``PipelineConfig``.
 
@@ -561,9 +600,16 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = strict_yaml(path.read_text(encoding="utf-8-sig")) or {}
+        except DuplicateKeyError as e:
+            raise ConfigError(f"config file {path} line {e.line}: {e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
+        except UnicodeDecodeError as e:
+            line = path.read_bytes()[: e.start].count(b"\n") + 1
+            raise ConfigError(
+                f"config file {path} line {line}: not valid UTF-8 (byte 0x{e.object[e.start]:02x})"
+            ) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         raw = _unalias(raw)
@@ -577,7 +623,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value")
-        parsed.append((key, yaml.safe_load(value) if value.strip() else None))
+        try:
+            parsed.append((key, strict_yaml(value) if value.strip() else None))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)})") from None
     for key, value in parsed:  # run-level keys and the loop first: the loop's instances are made from them
         if key.split(".")[0] in _TOP_LEVEL and not key.startswith("stages."):
             _set_dotted(raw, key, value)

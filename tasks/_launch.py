@@ -34,6 +34,7 @@ import psutil
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.events import EVENTS_ENV, read_new
+from rlhf_core.jobs.common import ORCHESTRATOR_ENV
 from rlhf_core.storage import ObjectStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +198,8 @@ def launch_stage(
     events_file = Path(tempfile.mkstemp(prefix=f"{stage}-events-", suffix=".jsonl")[1])
     cmd = [sys.executable, "-m", module, "--config", config_path, "--stage", stage]
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
-                 "HF_HUB_DISABLE_PROGRESS_BARS": "1", EVENTS_ENV: str(events_file)}  # fmt: skip
+                 "HF_HUB_DISABLE_PROGRESS_BARS": "1", EVENTS_ENV: str(events_file),
+                 ORCHESTRATOR_ENV: str(os.getpid())}  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         start_new_session=True,

@@ -63,6 +63,8 @@ class SeaweedS3:
         self.endpoint_url: str | None = None
         self.log_path: Path | None = None
         self.startup_s: float | None = None
+        self._cmd: list[str] | None = None  # the last start's command line: restart() reuses its ports and data dir
+        self._probe_creds: tuple[str | None, str | None] = (None, None)
 
     def log_tail(self, n: int = 40) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -108,13 +110,27 @@ class SeaweedS3:
         ]
         if config_json_path:
             cmd.append(f"-s3.config={config_json_path}")
+        self._cmd, self._probe_creds = cmd, (key, secret)
+        return self._launch(f"http://127.0.0.1:{s3}", timeout_s)
+
+    def restart(self, timeout_s: float = 60.0) -> str:
+        """Start the server again after stop() or kill(), on the same ports and data directory (the buckets and
+        objects written before are still there); return the same endpoint URL once it answers."""
+        if self._cmd is None or self.endpoint_url is None:
+            raise RuntimeError("restart() needs an earlier start()")
+        self.stop()
+        return self._launch(self.endpoint_url, timeout_s)
+
+    def _launch(self, endpoint: str, timeout_s: float) -> str:
+        assert self._cmd is not None and self.log_path is not None
+        key, secret = self._probe_creds
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                self._cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
+        atexit.unregister(self.stop)  # once, however many restarts
         atexit.register(self.stop)  # never leave a server behind if the test session dies early
-        endpoint = f"http://127.0.0.1:{s3}"
         last_err: Exception | None = None
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
@@ -157,6 +173,14 @@ class SeaweedS3:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL at once, by pid (a crash rather than a shutdown); restart() brings it back."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait(timeout=10)
 
     def __enter__(self) -> SeaweedS3:
         return self

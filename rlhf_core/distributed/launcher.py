@@ -99,6 +99,10 @@ class _Shell:
 
         torch.set_num_threads(threads)
         self.obj: Any = None
+        self.role = "worker"
+
+    def __repr__(self) -> str:  # Ray puts it in a RayTaskError: describe_worker_error names the role from it
+        return self.role
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -114,11 +118,30 @@ class _Shell:
         """Join the group's world (``master``: rank 0's address and port; Ray hands over the value of the ObjectRef
         the driver passes) and build the hosted object."""
         os.environ.update(env, MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        self.role = f"{getattr(factory, '__name__', 'worker')} rank {env.get('RANK', '0')}"
         self.obj = factory(*args, **kwargs)
 
     def call(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         # The method object itself (checked on the driver to belong to the hosted class): no name lookup.
         return method(self.obj, *args, **kwargs)
+
+
+def describe_worker_error(error: BaseException) -> str | None:
+    """One line for an error raised in a Ray worker: ``<role> rank <r> failed: <Type>: <first line of the cause>``
+    (the worker died: says so); None for an error of the driver's own."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(error, RayTaskError):
+        cause = error.cause if isinstance(error.cause, BaseException) else error
+        first = (str(cause).strip().splitlines() or [""])[0]
+        if isinstance(cause, RayTaskError):  # no usable cause: the first line of the remote traceback's last line
+            first = (str(cause).strip().splitlines() or [""])[-1]
+        role = error.actor_repr or error.function_name
+        return f"{role} failed: {type(cause).__name__}: {first}"
+    if isinstance(error, RayActorError):
+        first = (str(error).strip().splitlines() or [""])[0]
+        return f"a worker process died ({first})"
+    return None
 
 
 def check_constructor(factory: type, args: tuple, kwargs: dict) -> None:

@@ -38,42 +38,78 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in (ASSETS / "models").glob("*.json"))
 
 
-def check_model_source(path: str, key: str, *, trust_remote_code: bool = False) -> None:
-    """Fail fast, before any worker starts, when ``path`` cannot be a model. ``key`` names the config key."""
+def check_model_source(
+    path: str, key: str, *, trust_remote_code: bool = False, tokenizer: str | None = None,
+    tokenizer_key: str | None = None,
+) -> None:  # fmt: skip
+    """Fail fast, before any worker starts, when ``path`` cannot be a model. ``key`` names the config key.
+
+    A local directory is checked without loading its weights (``rlhf_core.models.checks``): config.json, the weight
+    files' headers and their shapes against the config, and that the tokenizer the stage will use loads: the one at
+    ``tokenizer`` (its config key ``tokenizer_key``, default ``key``'s sibling ``tokenizer``) when given, else the
+    model's own."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
         if name not in builtin_names():
             raise ModelPathError(
                 f"'{key}': unknown builtin model '{name}'; choose one of {', '.join(builtin_names())}"
             )
-        return
-    local = Path(path)
-    if local.exists():
-        if not (local / "config.json").is_file():
-            raise ModelPathError(f"'{key}': {path} exists but has no config.json, so it is not a model directory")
-        return
-    from transformers import AutoConfig
+        if tokenizer is None:
+            return  # the bundled tokenizer
+    elif Path(path).exists():
+        from rlhf_core.models.checks import check_model_dir
 
-    try:
-        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
-        raise ModelPathError(
-            f"'{key}': model path {path!r} is not a local directory and could not be loaded from the hub "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-        ) from None
+        if not Path(path).is_dir():
+            raise ModelPathError(f"'{key}': {path} is a file, not a model directory; point {key} at the folder")
+        check_model_dir(Path(path), key, trust_remote_code=trust_remote_code)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+            raise ModelPathError(
+                f"'{key}': model path {path!r} is not a local directory and could not be loaded from the hub "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            ) from None
+        if tokenizer is None:
+            return  # a hub model's tokenizer comes with it; not fetched twice here
+    if tokenizer is not None:
+        tokenizer_key = tokenizer_key or (f"{key.rsplit('.', 1)[0]}.tokenizer" if "." in key else key)
+    load_tokenizer(path, tokenizer, trust_remote_code=trust_remote_code, key=tokenizer_key or key)
 
 
-def load_tokenizer(model_path: str, tokenizer_path: str | None = None, *, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(
+    model_path: str, tokenizer_path: str | None = None, *, trust_remote_code: bool = False, key: str | None = None
+) -> Any:
     """The tokenizer at ``tokenizer_path`` (default: the model's own; the bundled one for builtin: models), with a pad
-    token (EOS when it has none). ``trust_remote_code`` allows custom tokenizer code from that directory."""
+    token (EOS when it has none). ``trust_remote_code`` allows custom tokenizer code from that directory. One that
+    does not load raises ``ModelPathError`` naming the path (and ``key``, the config key it came from, when given)."""
     from transformers import AutoTokenizer
 
     if tokenizer_path is None:
         tokenizer_path = str(BUNDLED_TOKENIZER) if model_path.startswith(BUILTIN_PREFIX) else model_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - missing files, a broken tokenizer.json, custom code: one line each
+        raise ModelPathError(tokenizer_error(tokenizer_path, key, e)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+
+def tokenizer_error(path: str, key: str | None, e: Exception) -> str:
+    where = f"'{key}': " if key else ""
+    local = Path(path)
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        return (f"{where}{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy the tokenizer "
+                "into it (tokenizer.save_pretrained) or set the stage's model.tokenizer")  # fmt: skip
+    text = str(e).strip().splitlines()
+    reason = f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+    return f"{where}the tokenizer at {path} does not load ({reason}); fix or re-save it with tokenizer.save_pretrained"
 
 
 def attn_implementation(requested: str, device: str) -> str:

@@ -1,0 +1,203 @@
+"""Object-store outage: the S3 server (SeaweedFS, our own instance) stops in the middle of an upload, the stage job
+fails within a bounded time, and once the server is back on the same ports and data the rerun completes, resuming
+from the newest complete checkpoint only; a partially uploaded checkpoint or output is never read."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.storage import MANIFEST_NAME, UPLOAD_PAUSE_ENV, ObjectStore
+from tests.conftest import ROOT, TINY
+from tests.s3_server import SeaweedS3, identity_config
+
+pytestmark = pytest.mark.slow
+
+BUCKET = "outage"
+# 1 worker x batch 16: 64 rows -> 4 steps; a checkpoint after steps 1, 2 and 3 (none after the last one).
+JOB = ["sft.data.max_samples=64", "sft.train.save_steps=1", "sft.train.keep_last=3", "sft.train.log_steps=1"]
+PAUSE_S = "1.5"  # after each uploaded file: a checkpoint (5 files) or the export (6 files) takes seconds to upload
+FAIL_WITHIN_S = 180  # from the outage to the job's exit
+JOB_TIMEOUT_S = 420
+
+
+@dataclass
+class OwnS3:
+    server: SeaweedS3
+    endpoint_url: str
+    key: str
+    secret: str
+
+    def options(self) -> dict:
+        return {"key": self.key, "secret": self.secret, "client_kwargs": {"endpoint_url": self.endpoint_url}}
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(
+            **self.options(), skip_instance_cache=True,
+            config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}},
+        )  # fmt: skip
+
+
+@pytest.fixture
+def own_s3(tmp_path) -> Iterator[OwnS3]:
+    """A SeaweedFS server of this test alone (the session's one is never stopped), with a bucket."""
+    tmp = tmp_path / "s3"
+    tmp.mkdir()
+    key, secret = "AK" + secrets.token_hex(8).upper(), secrets.token_urlsafe(24)
+    server = SeaweedS3(stop_grace_s=5.0)
+    try:
+        endpoint = server.start(tmp, identity_config(tmp / "identities.json", key, secret), key=key, secret=secret)
+        s3 = OwnS3(server, endpoint, key, secret)
+        s3.fs().mkdir(BUCKET)
+        yield s3
+    finally:
+        server.stop()
+
+
+def start_job(s3: OwnS3, run_uri: str, tmp: Path, name: str, pause: bool) -> tuple[subprocess.Popen, Path, Path]:
+    """``python -m rlhf_core.jobs.sft`` in its own process group (its own local Ray); output to ``<name>.log``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS", "RLHF_"))}
+    env.update(
+        AWS_ACCESS_KEY_ID=s3.key, AWS_SECRET_ACCESS_KEY=s3.secret, AWS_ENDPOINT_URL=s3.endpoint_url,
+        RLHF_WORK_DIR=str(tmp / "work"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+    )  # fmt: skip
+    if pause:
+        env[UPLOAD_PAUSE_ENV] = PAUSE_S
+    log, ref_out = tmp / f"{name}.log", tmp / f"{name}.ref.json"
+    cmd = [sys.executable, "-m", "rlhf_core.jobs.sft", "--config", str(TINY), "--ref-out", str(ref_out),
+           f"run_uri={run_uri}", *JOB]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log, ref_out
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout_s: float) -> int:
+    """The job's exit status; a job still running after timeout_s is killed (its whole group) and fails the test."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        pytest.fail(f"job still running {timeout_s:.0f}s on; log tail:\n{tail(log)}")
+
+
+def tail(log: Path, n: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+
+
+def listing(s3: OwnS3, prefix: str, fs=None) -> set[str]:
+    """Every object under prefix (relative names); empty while the prefix does not exist."""
+    fs = fs or s3.fs()
+    fs.invalidate_cache()
+    try:
+        return {name[len(prefix) + 1 :] for name in fs.find(prefix)}
+    except FileNotFoundError:
+        return set()
+
+
+def checkpoints(files: set[str]) -> dict[int, set[str]]:
+    """{step: its files} of the checkpoint folders in a listing of ``<stage>/``."""
+    out: dict[int, set[str]] = {}
+    for name in files:
+        if m := re.fullmatch(r"checkpoints/step_(\d+)/(.+)", name):
+            out.setdefault(int(m.group(1)), set()).add(m.group(2))
+    return out
+
+
+def stop_when(s3: OwnS3, prefix: str, proc: subprocess.Popen, log: Path, seen: Callable[[set[str]], bool]) -> set[str]:
+    """Poll the bucket until ``seen(listing)``, then stop the server at once (SIGKILL: an outage, not a shutdown);
+    return that listing."""
+    deadline, fs = time.monotonic() + JOB_TIMEOUT_S, s3.fs()
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended ({proc.returncode}) before the outage; log tail:\n{tail(log)}")
+        files = listing(s3, prefix, fs)
+        if seen(files):
+            s3.server.kill()
+            return files
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"never saw the upload to interrupt; log tail:\n{tail(log)}")
+
+
+def outage_then_rerun(s3: OwnS3, tmp: Path, seen: Callable[[set[str]], bool]) -> tuple[set[str], set[str], dict]:
+    """Run the job with slow uploads, stop the store when ``seen``, check the job fails in bounded time, bring the
+    store back and rerun without the pause. Returns (listing at the outage, listing after restart, the rerun's ref)."""
+    run_uri = f"s3://{BUCKET}/runs/{tmp.name}"
+    prefix = f"{BUCKET}/runs/{tmp.name}/sft"
+    proc, log, _ = start_job(s3, run_uri, tmp, "first", pause=True)
+    at_outage = stop_when(s3, prefix, proc, log, seen)
+    down = time.monotonic()
+    rc = finish(proc, log, FAIL_WITHIN_S)
+    failed_after = time.monotonic() - down
+    assert rc != 0, f"the job succeeded though the store went down mid-upload; log tail:\n{tail(log)}"
+    assert failed_after < FAIL_WITHIN_S
+    print(f"job failed {failed_after:.1f}s after the outage (exit {rc})")
+
+    assert s3.server.restart() == s3.endpoint_url
+    after_restart = listing(s3, prefix)
+    assert at_outage <= after_restart, "objects committed before the outage were lost by the restart"
+
+    proc, log, ref_out = start_job(s3, run_uri, tmp, "rerun", pause=False)
+    rc = finish(proc, log, JOB_TIMEOUT_S)
+    assert rc == 0, f"the rerun failed after the store came back; log tail:\n{tail(log)}"
+    assert "[sft] done: " in log.read_text() and "already complete" not in log.read_text()
+    return at_outage, after_restart, json.loads(ref_out.read_text())
+
+
+def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_path):
+    """The store dies while checkpoint step 2 is half uploaded (step 1 committed): the rerun resumes from step 1,
+    never reading step 2's files, and writes step 2 over again, complete."""
+
+    def step2_half_uploaded(files: set[str]) -> bool:
+        ckpts = checkpoints(files)
+        return MANIFEST_NAME in ckpts.get(1, set()) and bool(ckpts.get(2)) and MANIFEST_NAME not in ckpts[2]
+
+    at_outage, after_restart, ref = outage_then_rerun(own_s3, tmp_path, step2_half_uploaded)
+    partial = checkpoints(after_restart)[2]
+    assert MANIFEST_NAME not in partial, "step 2 was committed after all: the outage came too late"
+
+    assert ref["metrics"]["resumed_from_step"] == 1  # the newest complete checkpoint, not the partial step 2
+    assert ref["step"] == ref["metrics"]["steps"] == 4
+    store = ObjectStore(f"s3://{BUCKET}/runs/{tmp_path.name}", own_s3.options())
+    final = store.read_manifest("sft", verify=True)  # every file's sha256 checked on the server
+    assert final.metrics["resumed_from_step"] == 1 and final.config_hash == ref["config_hash"]
+    # The rerun trained step 2 again and wrote its checkpoint over the partial one: committed, every file of the
+    # new save (a superset of what the partial upload had put there), made after the outage.
+    ckpt2 = store.read_manifest("sft/checkpoints/step_00000002", verify=True)
+    assert ckpt2.extra["step"] == 2 and partial <= set(ckpt2.files)
+    for step in (1, 3):
+        assert store.read_manifest(f"sft/checkpoints/step_{step:08d}", verify=True).extra["step"] == step
+
+
+def test_outage_mid_export_reruns_to_a_verified_output(own_s3, tmp_path):
+    """The store dies while the stage's own output is half uploaded: no manifest was written, the rerun does not
+    take it for a finished stage, resumes from the last checkpoint and commits a complete, verified output."""
+
+    def export_half_uploaded(files: set[str]) -> bool:
+        exported = {f for f in files if "/" not in f and f != "metrics.json"}
+        return bool(exported) and MANIFEST_NAME not in exported
+
+    at_outage, after_restart, ref = outage_then_rerun(own_s3, tmp_path, export_half_uploaded)
+    assert MANIFEST_NAME not in after_restart, "the output was committed after all: the outage came too late"
+    assert all(MANIFEST_NAME in files for files in checkpoints(after_restart).values())
+
+    assert ref["metrics"]["resumed_from_step"] == 3 and ref["step"] == 4
+    store = ObjectStore(f"s3://{BUCKET}/runs/{tmp_path.name}", own_s3.options())
+    final = store.read_manifest("sft", verify=True)
+    assert final.metrics["resumed_from_step"] == 3 and final.config_hash == ref["config_hash"]
+    half = {f for f in after_restart if "/" not in f}
+    assert half <= set(final.files)  # every half-uploaded file was written again and is checked by the manifest
