@@ -19,6 +19,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
+from prefect.states import Completed
 
 from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config, stage_hash
 from rlhf_core.jobs.common import committed_ref, existing_output, open_store
@@ -74,17 +75,23 @@ STAGE_TASK_OPTIONS: dict[str, Any] = dict(
 
 
 @task(name="stage", **STAGE_TASK_OPTIONS)
-def run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> dict:
-    """Run one stage instance as its job (``python -m rlhf_core.jobs.<kind> --stage <name>``)."""
+def run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> Any:
+    """Run one stage instance as its job (``python -m rlhf_core.jobs.<kind> --stage <name>``); a stage whose output
+    is committed for its config hash ends Cached without a launch, whether or not its task result was saved."""
     logger = get_run_logger()
     cfg = load_config(run.config_path)
     spec = cfg.spec(stage)
     missing = [name for name in spec.upstream_names() if name not in upstream]
     assert not missing, f"{stage} needs the references of {missing}"
+    store = open_store(cfg)
+    done = existing_output(store, stage, expected_hash(cfg, stage, upstream))
+    if done is not None:  # committed and verified, but its task result was never saved (e.g. the machine died)
+        logger.info(f"{stage}: {done.uri} is committed for this config; nothing to run")
+        return Completed(name="Cached", data=done.to_dict(), message="output committed in the run's location")
     key = stage.replace("_", "-")
     progress = create_progress_artifact(progress=0.0, key=f"{key}-progress", description=f"{stage}: steps done")
     ref = launch_stage(
-        stage, STAGE_KINDS[spec.kind].job, run.config_path, open_store(cfg), logger.info,
+        stage, STAGE_KINDS[spec.kind].job, run.config_path, store, logger.info,
         on_step=lambda done, total: update_progress_artifact(progress, 100.0 * done / total),
     )  # fmt: skip
     update_progress_artifact(progress, 100.0)

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.storage import ArtifactError, Manifest, ObjectStore, redact, sha256_file, storage_options_for
+from rlhf_core.storage import (
+    S3_CONFIG_KWARGS,
+    ArtifactError,
+    Manifest,
+    ObjectStore,
+    redact,
+    sha256_file,
+    storage_options_for,
+)
 from tests.conftest_s3 import s3_storage_options
 
 
@@ -159,7 +167,8 @@ def test_storage_options_for(monkeypatch: pytest.MonkeyPatch) -> None:
         "AWS_SESSION_TOKEN",
     ):
         monkeypatch.delenv(var, raising=False)
-    assert storage_options_for("s3://b/p") == {}
+    bounded = {"config_kwargs": S3_CONFIG_KWARGS}  # bounded botocore timeouts on every s3:// store
+    assert storage_options_for("s3://b/p") == bounded
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKENV")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SKENV")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://generic:1")
@@ -168,11 +177,17 @@ def test_storage_options_for(monkeypatch: pytest.MonkeyPatch) -> None:
         "key": "AKENV",
         "secret": "SKENV",
         "client_kwargs": {"endpoint_url": "http://generic:1", "region_name": "eu-west-1"},
+        **bounded,
     }
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3specific:2")
     assert storage_options_for("s3://b")["client_kwargs"]["endpoint_url"] == "http://s3specific:2"
     explicit = storage_options_for("s3://b", endpoint_url="http://e:3", key="K", secret="S", region="r")
-    assert explicit == {"key": "K", "secret": "S", "client_kwargs": {"endpoint_url": "http://e:3", "region_name": "r"}}
+    assert explicit == {
+        "key": "K",
+        "secret": "S",
+        "client_kwargs": {"endpoint_url": "http://e:3", "region_name": "r"},
+        **bounded,
+    }
     assert storage_options_for("/local/path") == {} and storage_options_for("memory://x") == {}
     assert storage_options_for("file:///tmp/x") == {}
 

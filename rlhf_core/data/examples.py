@@ -3,11 +3,14 @@
 Prompt formatting, in order: a list of chat messages or ``apply_chat_template`` with a tokenizer that has a chat
 template -> the template; ``input_template`` -> ``template.format(prompt)``; otherwise the text as it is. With
 ``output_key: null`` (SFT) or ``prompt_key: null`` (preferences) the texts are HH-RLHF transcripts
-("\\n\\nHuman: ...\\n\\nAssistant: ...") split before the last assistant turn.
+("\\n\\nHuman: ...\\n\\nAssistant: ...") split before the last assistant turn. Message lists are checked by
+:func:`rlhf_core.data.loading.require_keys` (roles, alternation, the answer last). Rows whose response is cut at
+``max_len`` are counted and reported once per file on stderr.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -27,18 +30,41 @@ def split_hh(text: str, where: str) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def render_prompt(prompt: Any, tokenizer: Any, cfg: DataConfig) -> str:
+def _chat_template(tokenizer: Any, messages: list[dict], where: str | None) -> str:
+    """The template's text of ``messages`` plus the generation prompt.
+
+    A template without a system role (the bundled one) gets the system text prepended to the first user message;
+    any other template failure is a DataError naming ``where``.
+    """
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - jinja2 and transformers raise several types
+        error = e
+    if len(messages) > 1 and messages[0].get("role") == "system":
+        system, first = messages[0], messages[1]
+        merged = [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *messages[2:]]
+        try:
+            return tokenizer.apply_chat_template(merged, add_generation_prompt=True, tokenize=False)
+        except Exception:  # noqa: BLE001
+            pass
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    raise DataError(
+        f"{where + ': ' if where else ''}the tokenizer's chat template refused the messages ({reason}); "
+        "fix the roles or set data.apply_chat_template/input_template"
+    )
+
+
+def render_prompt(prompt: Any, tokenizer: Any, cfg: DataConfig, where: str | None = None) -> str:
     """Prompt text as the model sees it (a string, or a list of {'role', 'content'} messages)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, list):
         if not has_template:
             return "".join(f"{m['role']}: {m['content']}\n" for m in prompt)
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return _chat_template(tokenizer, prompt, where)
     if cfg.input_template is not None:
         return cfg.input_template.format(prompt)
     if cfg.apply_chat_template and has_template:
-        messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return _chat_template(tokenizer, [{"role": "user", "content": prompt}], where)
     return prompt
 
 
@@ -47,7 +73,7 @@ def _split_conversation(value: Any, tokenizer: Any, cfg: DataConfig, where: str)
     if isinstance(value, list):
         if not value or value[-1].get("role") != "assistant":
             raise DataError(f"{where}: a message list must end with an assistant message")
-        return render_prompt(value[:-1], tokenizer, cfg), value[-1]["content"]
+        return render_prompt(value[:-1], tokenizer, cfg, where), value[-1]["content"]
     return split_hh(value, where)
 
 
@@ -72,6 +98,12 @@ def encode(tokenizer: Any, prompt_text: str, response_text: str, max_len: int, w
     return ids, len(prompt_ids)
 
 
+def _warn_truncated(source: str, truncated: int, total: int, max_len: int) -> None:
+    """One stderr line per file when responses were cut at ``max_len`` (the model never sees their ends)."""
+    if truncated:
+        print(f"warning: {source}: {truncated} of {total} rows truncated to data.max_len={max_len}", file=sys.stderr)
+
+
 def _rows(cfg: DataConfig, split: str, storage_options: dict | None) -> tuple[str, list[dict]]:
     source = cfg.train_path if split == "train" else cfg.eval_path
     assert source is not None, "eval_path must be checked by the config"
@@ -83,17 +115,24 @@ def _rows(cfg: DataConfig, split: str, storage_options: dict | None) -> tuple[st
 def sft_examples(cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None) -> list:
     """[{'input_ids', 'loss_mask'}]: loss on the response tokens and the final EOS only."""
     source, rows = _rows(cfg, split, storage_options)
-    keys = [cfg.input_key] + ([cfg.output_key] if cfg.output_key else [])
-    require_keys(rows, keys, source)
-    out = []
+    if cfg.output_key:
+        kinds = {cfg.input_key: "prompt", cfg.output_key: "response"}
+    else:
+        kinds = {cfg.input_key: "conversation"}
+    require_keys(rows, list(kinds), source, kinds)
+    out, truncated = [], 0
     for i, row in enumerate(rows, start=1):
         where = f"{source} row {i}"
         if cfg.output_key:
-            prompt, response = render_prompt(row[cfg.input_key], tokenizer, cfg), row[cfg.output_key]
+            prompt = render_prompt(row[cfg.input_key], tokenizer, cfg, where)
+            response = _response_text(row[cfg.output_key], where)
         else:
             prompt, response = _split_conversation(row[cfg.input_key], tokenizer, cfg, where)
-        ids, prompt_len = encode(tokenizer, prompt, response, cfg.max_len, where)
+        prompt_ids, response_ids = _encode_parts(tokenizer, prompt, response, cfg.max_len, where)
+        ids, prompt_len = (prompt_ids + response_ids)[: cfg.max_len], len(prompt_ids)
+        truncated += prompt_len + len(response_ids) > cfg.max_len
         out.append({"input_ids": ids, "loss_mask": [0] * prompt_len + [1] * (len(ids) - prompt_len)})
+    _warn_truncated(source, truncated, len(rows), cfg.max_len)
     return out
 
 
@@ -112,7 +151,7 @@ def _prompt_and_response(row: dict, key: str, tokenizer: Any, cfg: DataConfig, w
     An empty (or whitespace-only) response is refused: ``where`` names the file, row and key.
     """
     if cfg.prompt_key:
-        prompt, response = render_prompt(row[cfg.prompt_key], tokenizer, cfg), _response_text(row[key], where)
+        prompt, response = render_prompt(row[cfg.prompt_key], tokenizer, cfg, where), _response_text(row[key], where)
     else:
         prompt, response = _split_conversation(row[key], tokenizer, cfg, where)
     if not response.strip():
@@ -131,12 +170,18 @@ def _pairs(
 ) -> tuple[str, list[tuple[tuple, tuple]]]:
     """(source, [(chosen, rejected)]), each side (prompt text, prompt ids, response ids + EOS), checked.
 
-    Refused rows (one-line DataError naming file, row and key): a missing or empty key, an empty response, and
-    chosen equal to rejected (the same text after rendering, or the same token ids within ``max_len``).
+    Refused rows (one-line DataError naming file, row and key): a missing or empty key, a bad message list, an
+    empty response, and chosen equal to rejected (the same text after rendering, also up to surrounding whitespace, or the
+    same token ids within ``max_len``).
     """
     source, rows = _rows(cfg, split, storage_options)
-    keys = ([cfg.prompt_key] if cfg.prompt_key else []) + [cfg.chosen_key, cfg.rejected_key]
-    require_keys(rows, keys, source)
+    answer = "response" if cfg.prompt_key else "conversation"
+    kinds = {
+        **({cfg.prompt_key: "prompt"} if cfg.prompt_key else {}),
+        cfg.chosen_key: answer,
+        cfg.rejected_key: answer,
+    }
+    require_keys(rows, list(kinds), source, kinds)
     out = []
     for i, row in enumerate(rows, start=1):
         where = f"{source} row {i}"
@@ -145,11 +190,13 @@ def _pairs(
             prompt, response = _prompt_and_response(row, key, tokenizer, cfg, f"{where} key '{key}'")
             prompt_ids, response_ids = _encode_parts(tokenizer, prompt, response, cfg.max_len, where)
             sides.append((prompt, prompt_ids, response_ids))
-            texts.append(prompt + response)
+            texts.append((prompt, response))
         (_, cp, cr), (_, rp, rr) = sides
         same = None
         if texts[0] == texts[1]:
             same = "text"
+        elif texts[0][0] == texts[1][0] and texts[0][1].strip() == texts[1][1].strip():
+            same = "text up to leading/trailing whitespace"
         elif cp + cr == rp + rr:
             same = "token ids"
         elif (cp + cr)[: cfg.max_len] == (rp + rr)[: cfg.max_len]:
@@ -172,7 +219,9 @@ def preference_examples(
     the tokens after them are the response and its EOS, truncated to ``max_len``.  Bad rows are refused: see
     :func:`_pairs`.
     """
-    _, pairs = _pairs(cfg, tokenizer, split, storage_options)
+    source, pairs = _pairs(cfg, tokenizer, split, storage_options)
+    truncated = sum(len(cp + cr) > cfg.max_len or len(rp + rr) > cfg.max_len for (_, cp, cr), (_, rp, rr) in pairs)
+    _warn_truncated(source, truncated, len(pairs), cfg.max_len)
     out = []
     for (_, cp, cr), (_, rp, rr) in pairs:
         out.append({
@@ -219,9 +268,13 @@ def kto_examples(
         source, pairs = _pairs(cfg, tokenizer, split, storage_options)
         for chosen, rejected in pairs:
             items += [(*chosen, True), (*rejected, False)]
+        truncated = sum(len(c[1] + c[2]) > cfg.max_len or len(r[1] + r[2]) > cfg.max_len for c, r in pairs)
+        _warn_truncated(source, truncated, len(pairs), cfg.max_len)
     else:
         source, rows = _rows(cfg, split, storage_options)
-        require_keys(rows, ([cfg.prompt_key] if cfg.prompt_key else []) + [cfg.response_key], source)
+        answer = "response" if cfg.prompt_key else "conversation"
+        kinds = {**({cfg.prompt_key: "prompt"} if cfg.prompt_key else {}), cfg.response_key: answer}
+        require_keys(rows, list(kinds), source, kinds)
         for i, row in enumerate(rows, start=1):
             where = f"{source} row {i}"
             desirable = _label(row, cfg.label_key, where)
@@ -229,6 +282,8 @@ def kto_examples(
                 row, cfg.response_key, tokenizer, cfg, f"{where} key '{cfg.response_key}'"
             )
             items.append((prompt, *_encode_parts(tokenizer, prompt, response, cfg.max_len, where), desirable))
+        truncated = sum(len(prompt_ids + response_ids) > cfg.max_len for _, prompt_ids, response_ids, _ in items)
+        _warn_truncated(source, truncated, len(rows), cfg.max_len)
     labels = {d for *_, d in items}
     if labels != {True, False}:
         kind = "desirable" if True in labels else "undesirable"
@@ -273,10 +328,10 @@ def prompt_examples(
     source, rows = _rows(cfg, split, storage_options)
     if max_rows is not None:
         rows = rows[:max_rows]
-    require_keys(rows, [cfg.input_key], source)
+    require_keys(rows, [cfg.input_key], source, {cfg.input_key: "prompt"})
     out = []
     for i, row in enumerate(rows, start=1):
-        text = render_prompt(row[cfg.input_key], tokenizer, cfg)
+        text = render_prompt(row[cfg.input_key], tokenizer, cfg, f"{source} row {i}")
         ids = encode_prompt(tokenizer, text, cfg.max_len, f"{source} row {i}")
         out.append({"prompt_ids": ids, "prompt": row[cfg.input_key]})
     return out

@@ -17,6 +17,12 @@
 * otherwise a Hugging Face hub dataset name (``datasets.load_dataset(name,
   split=split)``).
 
+Text files are UTF-8 (a leading BOM is dropped, CRLF line ends are fine); an
+invalid byte is refused with its line and column.  Every row is checked as it
+is read: a key twice in one JSON object (``json`` would keep the last value)
+and a non-finite number (NaN, Infinity, also in Parquet and hub rows) are
+refused.  :func:`require_keys` checks text values and chat message lists.
+
 Every problem raises :class:`DataError` whose message names the source and,
 when known, the row/line and key.  ``datasets``, ``fsspec`` and ``pyarrow`` are
 imported lazily.
@@ -24,10 +30,12 @@ imported lazily.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import io
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -94,7 +102,56 @@ def _data_ext(name: str) -> str | None:
     return None
 
 
+class _Pairs(dict):
+    """A parsed JSON object that had a key more than once (``duplicates`` names them); refused by _check_row."""
+
+    duplicates: list[str]
+
+
+class _NonFinite:
+    """A NaN/Infinity/-Infinity (or overflowing) JSON number; refused by _check_row."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    out = _Pairs(obj)
+    out.duplicates = [k for k, _ in pairs if k in seen or seen.add(k)]
+    return out
+
+
+def _float(text: str) -> Any:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def _loads(text: str) -> Any:
+    """json.loads that marks duplicate keys and non-finite numbers instead of keeping the last value / NaN."""
+    return json.loads(text, object_pairs_hook=_object, parse_constant=_NonFinite, parse_float=_float)
+
+
+def _value_fault(value: Any) -> str | None:
+    """Why a (nested) row value cannot be trained on: a duplicate key or a non-finite number, else None."""
+    if isinstance(value, _Pairs):
+        return f"an object in the value has the key {value.duplicates[0]!r} twice; keep one"
+    if isinstance(value, _NonFinite):
+        return f"value is {value.text}, not a finite number; replace it or drop the row"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"value is {value}, not a finite number; replace it or drop the row"
+    if isinstance(value, dict):
+        return next((p for p in map(_value_fault, value.values()) if p), None)
+    if isinstance(value, (list, tuple)):
+        return next((p for p in map(_value_fault, value) if p), None)
+    return None
+
+
 def _check_row(obj: Any, source: str, row: int, row_label: str = "row") -> dict:
+    """``obj`` if it is an object without duplicate keys or non-finite numbers, else DataError naming row and key."""
     if not isinstance(obj, dict):
         raise DataError(
             f"expected a JSON object, got {type(obj).__name__}",
@@ -102,18 +159,51 @@ def _check_row(obj: Any, source: str, row: int, row_label: str = "row") -> dict:
             row=row,
             row_label=row_label,
         )
+    if isinstance(obj, _Pairs):
+        raise DataError(
+            "the key appears twice in the object (only one value would be kept); keep one",
+            source=source,
+            row=row,
+            key=obj.duplicates[0],
+            row_label=row_label,
+        )
+    for key, value in obj.items():
+        problem = _value_fault(value)
+        if problem is not None:
+            raise DataError(problem, source=source, row=row, key=str(key), row_label=row_label)
     return obj
 
 
-def _parse_jsonl(lines: Iterable[str], source: str, max_rows: int | None) -> list[dict]:
+def _decode(data: bytes, source: str, first_line: int = 1) -> str:
+    """UTF-8 text of ``data`` (a leading BOM dropped); invalid bytes refused with their line and column."""
+    bom = data.startswith(codecs.BOM_UTF8) and first_line == 1
+    try:
+        return data.decode("utf-8-sig" if bom else "utf-8")
+    except UnicodeDecodeError as e:
+        start = e.start + (len(codecs.BOM_UTF8) if bom else 0)
+        line_start = data.rfind(b"\n", 0, start) + 1
+        raise DataError(
+            f"not valid UTF-8 (byte 0x{data[start]:02x} at column {start - line_start + 1}); "
+            "re-save the file as UTF-8",
+            source=source,
+            row=first_line + data.count(b"\n", 0, start),
+            row_label="line",
+        ) from None
+
+
+def _parse_jsonl(lines: Iterable[bytes | str], source: str, max_rows: int | None) -> list[dict]:
     rows: list[dict] = []
     for lineno, line in enumerate(lines, start=1):
         if max_rows is not None and len(rows) >= max_rows:
             break
+        if isinstance(line, bytes):
+            line = _decode(line, source, lineno)
+        if lineno == 1:
+            line = line.removeprefix("\ufeff")
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = _loads(line)
         except json.JSONDecodeError as e:
             raise DataError(
                 f"invalid JSON ({e.msg} at column {e.colno})", source=source, row=lineno, row_label="line"
@@ -124,13 +214,15 @@ def _parse_jsonl(lines: Iterable[str], source: str, max_rows: int | None) -> lis
 
 def _parse_json(text: str, source: str, split: str, max_rows: int | None) -> list[dict]:
     try:
-        obj = json.loads(text)
+        obj = _loads(text)
     except json.JSONDecodeError:
         # Not one JSON document: treat as JSON lines (errors name the line).
         return _parse_jsonl(io.StringIO(text), source, max_rows)
     if isinstance(obj, dict):
         for k in (split, "data", "rows"):
             if isinstance(obj.get(k), list):
+                if isinstance(obj, _Pairs) and k in obj.duplicates:
+                    raise DataError("the key appears twice in the file's object; keep one", source=source, key=k)
                 obj = obj[k]
                 break
         else:
@@ -151,7 +243,11 @@ def _parse_csv(text_stream: IO[str], source: str, max_rows: int | None) -> list[
                 break
             if None in row:
                 raise DataError(
-                    "more fields than the header has columns", source=source, row=reader.line_num, row_label="line"
+                    f"more fields than the header has columns ({len(reader.fieldnames or [])}); "
+                    "quote values that hold commas",
+                    source=source,
+                    row=reader.line_num,
+                    row_label="line",
                 )
             rows.append(dict(row))
     except csv.Error as e:
@@ -168,7 +264,7 @@ def _parse_parquet(binary: IO[bytes], source: str, max_rows: int | None) -> list
         raise DataError(f"cannot read Parquet ({e})", source=source) from None
     if max_rows is not None:
         table = table.slice(0, max_rows)
-    return table.to_pylist()
+    return [_check_row(r, source, i) for i, r in enumerate(table.to_pylist(), start=1)]
 
 
 def _read_file(
@@ -187,15 +283,12 @@ def _read_file(
             if ext == ".parquet":
                 data = binary.read() if gz else None
                 return _parse_parquet(io.BytesIO(data) if gz else binary, source, max_rows)
-            text = io.TextIOWrapper(binary, encoding="utf-8", newline="")
-            try:
-                if ext == ".jsonl":
-                    return _parse_jsonl(text, source, max_rows)
-                if ext == ".json":
-                    return _parse_json(text.read(), source, split, max_rows)
-                return _parse_csv(text, source, max_rows)
-            finally:
-                text.detach()
+            if ext == ".jsonl":
+                return _parse_jsonl(binary, source, max_rows)
+            text = _decode(binary.read(), source)
+            if ext == ".json":
+                return _parse_json(text, source, split, max_rows)
+            return _parse_csv(io.StringIO(text, newline=""), source, max_rows)
     except DataError:
         raise
     except FileNotFoundError:
@@ -234,7 +327,7 @@ def _from_hf_dataset(ds: Any, source: str, split: str, max_rows: int | None) -> 
         ds = ds[split]
     if max_rows is not None:
         ds = ds.select(range(min(max_rows, len(ds))))
-    return ds.to_list()
+    return [_check_row(r, source, i) for i, r in enumerate(ds.to_list(), start=1)]
 
 
 def _is_dataset_dict(obj: Any) -> bool:
@@ -378,30 +471,83 @@ def load_rows(
     return rows
 
 
-def _value_problem(value: Any) -> str | None:
-    """Why ``value`` is not a non-empty string or message list, else None."""
+#: Roles a chat message may have.
+ROLES = ("system", "user", "assistant")
+#: What a message list under a key must be (see _messages_problem).
+LIST_KINDS = ("any", "prompt", "response", "conversation")
+
+
+def _messages_problem(messages: list, kind: str = "any") -> str | None:
+    """Why ``messages`` is not a usable chat message list of ``kind``, else None.
+
+    Every list: objects with a role among :data:`ROLES` and a non-empty string content, a system message only
+    first, user and assistant alternating.  ``prompt``: starts (after an optional system message) with user and
+    ends with user.  ``conversation`` (a whole transcript): starts with user, ends with the assistant's answer.
+    ``response`` (the answer to a prompt under its own key): ends with assistant; a lone assistant message or a
+    conversation.
+    """
+    if not messages:
+        return "is an empty message list"
+    previous = None
+    for i, m in enumerate(messages, start=1):
+        if not isinstance(m, dict):
+            return f"message {i} is not an object (got {type(m).__name__}); write {{'role': ..., 'content': ...}}"
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            return f"message {i} has no string 'role'; add one of {', '.join(ROLES)}"
+        if role not in ROLES:
+            return f"message {i} has role {role!r}; use one of {', '.join(ROLES)}"
+        if not isinstance(content, str):
+            got = "missing" if content is None else f"a {type(content).__name__}"
+            return f"message {i} has no string 'content' ({got}); write the text as one string"
+        if not content.strip():
+            return f"message {i} ({role}) has empty content; fill it in or drop the row"
+        if role == "system" and i > 1:
+            return f"message {i} is a system message after message 1; a system message may only come first"
+        if role == previous:
+            return f"message {i} is a second {role} message in a row; user and assistant must alternate"
+        previous = role
+    roles = [m["role"] for m in messages if m["role"] != "system"]
+    if not roles:
+        return "has only a system message; add the user message"
+    first = 2 if messages[0]["role"] == "system" else 1
+    lone_answer = kind == "response" and roles == ["assistant"]
+    if kind != "any" and roles[0] != "user" and not lone_answer:
+        return f"message {first} is {roles[0]!r}; after an optional system message the first one is from the user"
+    if kind == "prompt" and roles[-1] != "user":
+        return f"message {len(messages)} is {roles[-1]!r}; a prompt ends with a user message"
+    if kind in ("response", "conversation") and roles[-1] != "assistant":
+        return f"message {len(messages)} is {roles[-1]!r}; the list must end with the assistant's answer"
+    return None
+
+
+def _value_problem(value: Any, kind: str = "any") -> str | None:
+    """Why ``value`` is not a non-empty string or message list (of ``kind``, see _messages_problem), else None."""
     if isinstance(value, str):
         return "is an empty string" if not value.strip() else None
     if isinstance(value, list):
-        if not value:
-            return "is an empty message list"
-        for i, m in enumerate(value, start=1):
-            if not isinstance(m, dict):
-                return f"message {i} is not an object (got {type(m).__name__})"
-            for k in ("role", "content"):
-                if not isinstance(m.get(k), str):
-                    return f"message {i} has no string {k!r}"
-        return None
-    return f"is not a string or a list of messages (got {type(value).__name__})"
+        return _messages_problem(value, kind)
+    return (
+        f"is not a string or a list of messages (got {type(value).__name__} {_short(value)}); "
+        "write the text as a string"
+    )
 
 
-def require_keys(rows: Sequence[dict], keys: Sequence[str], source: str) -> Sequence[dict]:
+def _short(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def require_keys(
+    rows: Sequence[dict], keys: Sequence[str], source: str, kinds: dict[str, str] | None = None
+) -> Sequence[dict]:
     """Check every row has each of ``keys`` with a usable value; return ``rows``.
 
-    A usable value is a non-empty string or a non-empty list of
-    ``{"role": str, "content": str}`` messages.  Raises :class:`DataError`
-    naming ``source``, the first offending row (1-based) and the key.
+    A usable value is a non-empty string or a non-empty list of ``{"role": str, "content": str}`` messages, of
+    the kind ``kinds[key]`` when given (one of :data:`LIST_KINDS`; see _messages_problem).  Raises
+    :class:`DataError` naming ``source``, the first offending row (1-based) and the key.
     """
+    kinds = kinds or {}
     if not rows:
         raise DataError("has no rows", source=source)
     for i, row in enumerate(rows, start=1):
@@ -410,8 +556,13 @@ def require_keys(rows: Sequence[dict], keys: Sequence[str], source: str) -> Sequ
         for key in keys:
             if key not in row:
                 present = ", ".join(map(str, row.keys())) or "none"
-                raise DataError(f"missing (row has keys: {present})", source=source, row=i, key=key)
-            problem = _value_problem(row[key])
+                raise DataError(
+                    f"missing (row has keys: {present}); add it or name the right key in the data config",
+                    source=source,
+                    row=i,
+                    key=key,
+                )
+            problem = _value_problem(row[key], kinds.get(key, "any"))
             if problem is not None:
                 raise DataError(f"value {problem}", source=source, row=i, key=key)
     return rows

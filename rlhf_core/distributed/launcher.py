@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import socket
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -136,7 +137,10 @@ def describe_worker_error(error: BaseException) -> str | None:
         first = (str(cause).strip().splitlines() or [""])[0]
         if isinstance(cause, RayTaskError):  # no usable cause: the first line of the remote traceback's last line
             first = (str(cause).strip().splitlines() or [""])[-1]
-        role = error.actor_repr or error.function_name
+        # The class Ray derives from the cause's loses actor_repr (and forwards unknown attributes to the cause):
+        # the remote traceback's header carries it, "ray::_Shell.call() (pid=..., repr=PolicyActor rank 0)".
+        found = re.search(r"repr=([^)]*)\)", str(error))
+        role = found.group(1) if found else "a worker"
         return f"{role} failed: {type(cause).__name__}: {first}"
     if isinstance(error, RayActorError):
         first = (str(error).strip().splitlines() or [""])[0]

@@ -165,8 +165,6 @@ def _stop_on_sigterm() -> Any:
 
 def _stop_self(stage: str, why: str, grace_s: float = 30.0) -> None:
     """Stop this job: SIGTERM to itself (unwinding), then SIGKILL to its process group if it is still there."""
-    print(f"error: [{stage}] stopping: {why}", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
 
     def force() -> None:
         time.sleep(grace_s)
@@ -178,6 +176,9 @@ def _stop_self(stage: str, why: str, grace_s: float = 30.0) -> None:
         os._exit(128 + signal.SIGKILL)
 
     threading.Thread(target=force, daemon=True).start()
+    with contextlib.suppress(OSError):  # the orchestrator that read this output may be gone (a broken pipe)
+        print(f"error: [{stage}] stopping: {why}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _watch_orchestrator(stage: str, poll_s: float = 1.0) -> threading.Event:

@@ -105,8 +105,12 @@ def tokenizer_error(path: str, key: str | None, e: Exception) -> str:
     where = f"'{key}': " if key else ""
     local = Path(path)
     if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        if key and key.endswith(".tokenizer"):
+            fix = f"point {key} at a tokenizer folder"
+        else:
+            fix = f"set {key.rsplit('.', 1)[0] if key else 'model'}.tokenizer to one"
         return (f"{where}{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy the tokenizer "
-                "into it (tokenizer.save_pretrained) or set the stage's model.tokenizer")  # fmt: skip
+                f"into it (tokenizer.save_pretrained) or {fix}")  # fmt: skip
     text = str(e).strip().splitlines()
     reason = f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
     return f"{where}the tokenizer at {path} does not load ({reason}); fix or re-save it with tokenizer.save_pretrained"

@@ -32,7 +32,9 @@ REEXPORT = "re-export it with save_pretrained"
 
 
 def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    text = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if len(text) > 1 and text[0].endswith(":"):  # the reason is on the next line
+        text = [f"{text[0]} {text[1]}"]
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
@@ -189,9 +191,9 @@ def bin_header(path: Path, key: str) -> dict[str, tuple[int, ...] | None]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
 
 
-def expected_shapes(config: Any, raw: dict[str, Any], trust_remote_code: bool) -> tuple[dict[str, tuple], str]:
-    """({name: shape} of the model the config builds, its base-model prefix), built on the meta device. A
-    sequence-classification checkpoint is built as the one-output scalar model that ``build_scalar_model`` loads."""
+def expected_model(config: Any, raw: dict[str, Any], trust_remote_code: bool) -> Any:
+    """The model the config builds, on the meta device. A sequence-classification checkpoint is built as the
+    one-output scalar model that ``build_scalar_model`` loads."""
     import copy
 
     import torch
@@ -208,33 +210,82 @@ def expected_shapes(config: Any, raw: dict[str, Any], trust_remote_code: bool) -
     for auto_cls in classes:
         try:
             with torch.device("meta"):
-                model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
+                return auto_cls.from_config(config, trust_remote_code=trust_remote_code)
         except ValueError as e:  # this auto class has no mapping for the config: try the next one
-            error = e
-            continue
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        return shapes, model.base_model_prefix
+            error = error or e
     assert error is not None
-    raise error
+    raise error  # the first class's reason
+
+
+def renamed(name: str) -> str:
+    """transformers' legacy renames on load (LayerNorm ``gamma``/``beta``)."""
+    head, _, leaf = name.rpartition(".")
+    return f"{head}.{ {'gamma': 'weight', 'beta': 'bias'}.get(leaf, leaf) }" if head else name
 
 
 def check_shapes(
     local: Path, key: str, config: Any, raw: dict[str, Any],
     found: dict[str, tuple[str, tuple[int, ...] | None]], trust_remote_code: bool,
 ) -> None:  # fmt: skip
+    """Refuse a tensor whose shape is not the config's; and, for a model without weight conversions on load, a
+    checkpoint that lacks some of the config's tensors (tied copies, a classification head and what the model
+    class itself tolerates aside): transformers would initialise those at random."""
     path = local / "config.json"
     try:
-        expected, prefix = expected_shapes(config, raw, trust_remote_code)
+        model = expected_model(config, raw, trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build a model from
         raise ModelPathError(f"'{key}': {path} does not build a model ({first_line(e)}); fix the config") from None
+    prefix = model.base_model_prefix
 
     def plain(name: str) -> str:
+        name = renamed(name)
         return name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
 
-    want = {plain(k): v for k, v in expected.items()}
+    want = {plain(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    have = {plain(k) for k in found}
     for name, (file, shape) in found.items():
         target = want.get(plain(name))
-        if shape is not None and target is not None and tuple(shape) != tuple(target):
+        if shape is not None and target is not None and tuple(shape) != target:
             raise ModelPathError(f"'{key}': tensor {name} in {local / file} has shape {list(shape)} but {path} "
                                  f"implies {list(target)}; the config does not match the weights (fix the config "
                                  "or re-export the model)")  # fmt: skip
+    if not found or any(s is None for _, s in found.values()) or converted(model):
+        return
+    missing = sorted(missing_names(model, plain, have))
+    if missing:
+        raise ModelPathError(f"'{key}': the weights in {local} lack {len(missing)} tensor(s) that {path} implies "
+                             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the config does not "
+                             "match the weights (fix the config or re-export the model)")  # fmt: skip
+
+
+def converted(model: Any) -> bool:
+    """Whether transformers renames or fuses this model's checkpoint tensors on load (then names do not match)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return True
+    model_type = getattr(model.config, "model_type", None)
+    return any(get_checkpoint_conversion_mapping(n) for n in (type(model).__name__, model_type) if n)
+
+
+def missing_names(model: Any, plain: Any, have: set[str]) -> list[str]:
+    """The config's state-dict tensors absent from ``have`` (plain names); a tied group counts once, present when
+    any of its names is; classification heads, tied ``lm_head`` and the class's own tolerated names excepted."""
+    import re
+
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
+    tied = getattr(model.config, "tie_word_embeddings", False) or model.config.get_text_config().tie_word_embeddings
+    groups: dict[int, list[str]] = {}  # tied parameters: one Parameter under several names
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(plain(name))
+    wanted = {plain(w) for w in model.state_dict()}
+    candidates = [*groups.values(), *([plain(n)] for n, _ in model.named_buffers(remove_duplicate=False))]
+    missing = []
+    for names in candidates:
+        names = [n for n in names if n in wanted]
+        if not names or any(n in have for n in names) or any(r.search(n) for r in ignore for n in names):
+            continue
+        if names[0].split(".")[0] in ("score", "classifier") or (tied and names[0].startswith("lm_head.")):
+            continue
+        missing.append(names[0])
+    return missing

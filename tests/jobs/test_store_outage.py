@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,8 @@ from tests.s3_server import SeaweedS3, identity_config
 pytestmark = pytest.mark.slow
 
 BUCKET = "outage"
-# 1 worker x batch 16: 64 rows -> 4 steps; a checkpoint after steps 1, 2 and 3 (none after the last one).
-JOB = ["sft.data.max_samples=64", "sft.train.save_steps=1", "sft.train.keep_last=3", "sft.train.log_steps=1"]
+# 1 worker x batch 16: 48 rows -> 3 steps; a checkpoint every save_steps steps (none after the last one).
+JOB = ["sft.data.max_samples=48", "sft.train.keep_last=3", "sft.train.log_steps=1"]
 PAUSE_S = "1.5"  # after each uploaded file: a checkpoint (5 files) or the export (6 files) takes seconds to upload
 FAIL_WITHIN_S = 180  # from the outage to the job's exit
 JOB_TIMEOUT_S = 420
@@ -64,21 +65,24 @@ def own_s3(tmp_path) -> Iterator[OwnS3]:
         s3.fs().mkdir(BUCKET)
         yield s3
     finally:
-        server.stop()
+        server.kill()  # its data is thrown away with tmp_path: no shutdown to wait for
 
 
-def start_job(s3: OwnS3, run_uri: str, tmp: Path, name: str, pause: bool) -> tuple[subprocess.Popen, Path, Path]:
+def start_job(
+    s3: OwnS3, run_uri: str, tmp: Path, name: str, pause: bool, overrides: list[str]
+) -> tuple[subprocess.Popen, Path, Path]:
     """``python -m rlhf_core.jobs.sft`` in its own process group (its own local Ray); output to ``<name>.log``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS", "RLHF_"))}
     env.update(
         AWS_ACCESS_KEY_ID=s3.key, AWS_SECRET_ACCESS_KEY=s3.secret, AWS_ENDPOINT_URL=s3.endpoint_url,
-        RLHF_WORK_DIR=str(tmp / "work"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        RLHF_WORK_DIR=str(tmp / "work"), RLHF_LOG_DIR=str(tmp / "logs"), HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
     )  # fmt: skip
     if pause:
         env[UPLOAD_PAUSE_ENV] = PAUSE_S
     log, ref_out = tmp / f"{name}.log", tmp / f"{name}.ref.json"
     cmd = [sys.executable, "-m", "rlhf_core.jobs.sft", "--config", str(TINY), "--ref-out", str(ref_out),
-           f"run_uri={run_uri}", *JOB]  # fmt: skip
+           f"run_uri={run_uri}", *JOB, *overrides]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log, ref_out
@@ -103,7 +107,7 @@ def listing(s3: OwnS3, prefix: str, fs=None) -> set[str]:
     fs = fs or s3.fs()
     fs.invalidate_cache()
     try:
-        return {name[len(prefix) + 1 :] for name in fs.find(prefix)}
+        return {name[len(prefix) + 1 :] for name in fs.find(prefix) if name.startswith(prefix + "/")}
     except FileNotFoundError:
         return set()
 
@@ -133,29 +137,42 @@ def stop_when(s3: OwnS3, prefix: str, proc: subprocess.Popen, log: Path, seen: C
     pytest.fail(f"never saw the upload to interrupt; log tail:\n{tail(log)}")
 
 
-def outage_then_rerun(s3: OwnS3, tmp: Path, seen: Callable[[set[str]], bool]) -> tuple[set[str], set[str], dict]:
+@dataclass
+class Outcome:
+    at_outage: set[str]  # the listing of <run>/sft/ that triggered the outage
+    after_restart: set[str]  # the same listing once the store is back, before the rerun
+    down_at: datetime  # when the store went down (UTC)
+    ref: dict  # the rerun's CheckpointRef (--ref-out)
+
+
+def outage_then_rerun(s3: OwnS3, tmp: Path, overrides: list[str], seen: Callable[[set[str]], bool]) -> Outcome:
     """Run the job with slow uploads, stop the store when ``seen``, check the job fails in bounded time, bring the
-    store back and rerun without the pause. Returns (listing at the outage, listing after restart, the rerun's ref)."""
+    store back and rerun without the pause."""
     run_uri = f"s3://{BUCKET}/runs/{tmp.name}"
     prefix = f"{BUCKET}/runs/{tmp.name}/sft"
-    proc, log, _ = start_job(s3, run_uri, tmp, "first", pause=True)
+    proc, log, _ = start_job(s3, run_uri, tmp, "first", True, overrides)
     at_outage = stop_when(s3, prefix, proc, log, seen)
-    down = time.monotonic()
+    down, down_at = time.monotonic(), datetime.now(UTC)
     rc = finish(proc, log, FAIL_WITHIN_S)
     failed_after = time.monotonic() - down
     assert rc != 0, f"the job succeeded though the store went down mid-upload; log tail:\n{tail(log)}"
-    assert failed_after < FAIL_WITHIN_S
-    print(f"job failed {failed_after:.1f}s after the outage (exit {rc})")
+    error = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
+    print(f"job failed {failed_after:.1f}s after the outage (exit {rc}): {error}")
+    assert error, f"no one-line error; log tail:\n{tail(log)}"
+    assert not list((tmp / "work").glob("rlhf-pipeline/*")), "the failed job left its scratch folders behind"
 
     assert s3.server.restart() == s3.endpoint_url
     after_restart = listing(s3, prefix)
-    assert at_outage <= after_restart, "objects committed before the outage were lost by the restart"
+    committed = {f for f in at_outage if f.endswith(MANIFEST_NAME)}
+    assert committed <= after_restart, "manifests committed before the outage were lost by the restart"
 
-    proc, log, ref_out = start_job(s3, run_uri, tmp, "rerun", pause=False)
+    proc, log, ref_out = start_job(s3, run_uri, tmp, "rerun", False, overrides)
     rc = finish(proc, log, JOB_TIMEOUT_S)
     assert rc == 0, f"the rerun failed after the store came back; log tail:\n{tail(log)}"
     assert "[sft] done: " in log.read_text() and "already complete" not in log.read_text()
-    return at_outage, after_restart, json.loads(ref_out.read_text())
+    lease = ObjectStore(run_uri, s3.options()).exists("_leases/sft.json")
+    assert not lease, "the rerun did not give its lease back"
+    return Outcome(at_outage, after_restart, down_at, json.loads(ref_out.read_text()))
 
 
 def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_path):
@@ -166,12 +183,12 @@ def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_
         ckpts = checkpoints(files)
         return MANIFEST_NAME in ckpts.get(1, set()) and bool(ckpts.get(2)) and MANIFEST_NAME not in ckpts[2]
 
-    at_outage, after_restart, ref = outage_then_rerun(own_s3, tmp_path, step2_half_uploaded)
-    partial = checkpoints(after_restart)[2]
+    out = outage_then_rerun(own_s3, tmp_path, ["sft.train.save_steps=1"], step2_half_uploaded)
+    ref, partial = out.ref, checkpoints(out.after_restart)[2]
     assert MANIFEST_NAME not in partial, "step 2 was committed after all: the outage came too late"
 
     assert ref["metrics"]["resumed_from_step"] == 1  # the newest complete checkpoint, not the partial step 2
-    assert ref["step"] == ref["metrics"]["steps"] == 4
+    assert ref["step"] == ref["metrics"]["steps"] == 3
     store = ObjectStore(f"s3://{BUCKET}/runs/{tmp_path.name}", own_s3.options())
     final = store.read_manifest("sft", verify=True)  # every file's sha256 checked on the server
     assert final.metrics["resumed_from_step"] == 1 and final.config_hash == ref["config_hash"]
@@ -179,8 +196,8 @@ def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_
     # new save (a superset of what the partial upload had put there), made after the outage.
     ckpt2 = store.read_manifest("sft/checkpoints/step_00000002", verify=True)
     assert ckpt2.extra["step"] == 2 and partial <= set(ckpt2.files)
-    for step in (1, 3):
-        assert store.read_manifest(f"sft/checkpoints/step_{step:08d}", verify=True).extra["step"] == step
+    assert datetime.fromisoformat(ckpt2.created_at) > out.down_at
+    assert store.read_manifest("sft/checkpoints/step_00000001", verify=True).extra["step"] == 1
 
 
 def test_outage_mid_export_reruns_to_a_verified_output(own_s3, tmp_path):
@@ -191,13 +208,14 @@ def test_outage_mid_export_reruns_to_a_verified_output(own_s3, tmp_path):
         exported = {f for f in files if "/" not in f and f != "metrics.json"}
         return bool(exported) and MANIFEST_NAME not in exported
 
-    at_outage, after_restart, ref = outage_then_rerun(own_s3, tmp_path, export_half_uploaded)
+    out = outage_then_rerun(own_s3, tmp_path, ["sft.train.save_steps=2"], export_half_uploaded)
+    ref, after_restart = out.ref, out.after_restart
     assert MANIFEST_NAME not in after_restart, "the output was committed after all: the outage came too late"
     assert all(MANIFEST_NAME in files for files in checkpoints(after_restart).values())
 
-    assert ref["metrics"]["resumed_from_step"] == 3 and ref["step"] == 4
+    assert ref["metrics"]["resumed_from_step"] == 2 and ref["step"] == 3
     store = ObjectStore(f"s3://{BUCKET}/runs/{tmp_path.name}", own_s3.options())
     final = store.read_manifest("sft", verify=True)
-    assert final.metrics["resumed_from_step"] == 3 and final.config_hash == ref["config_hash"]
+    assert final.metrics["resumed_from_step"] == 2 and final.config_hash == ref["config_hash"]
     half = {f for f in after_restart if "/" not in f}
     assert half <= set(final.files)  # every half-uploaded file was written again and is checked by the manifest
