@@ -171,8 +171,8 @@ def _pairs(
     """(source, [(chosen, rejected)]), each side (prompt text, prompt ids, response ids + EOS), checked.
 
     Refused rows (one-line DataError naming file, row and key): a missing or empty key, a bad message list, an
-    empty response, and chosen equal to rejected (the same text after rendering, also up to surrounding whitespace, or the
-    same token ids within ``max_len``).
+    empty response, and chosen equal to rejected (the same text after rendering, also up to whitespace around the
+    response, or the same token ids within ``max_len``).
     """
     source, rows = _rows(cfg, split, storage_options)
     answer = "response" if cfg.prompt_key else "conversation"

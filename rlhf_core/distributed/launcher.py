@@ -119,7 +119,7 @@ class _Shell:
         """Join the group's world (``master``: rank 0's address and port; Ray hands over the value of the ObjectRef
         the driver passes) and build the hosted object."""
         os.environ.update(env, MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
-        self.role = f"{getattr(factory, '__name__', 'worker')} rank {env.get('RANK', '0')}"
+        self.role = f"{factory.__name__} rank {env.get('RANK', '0')}"
         self.obj = factory(*args, **kwargs)
 
     def call(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

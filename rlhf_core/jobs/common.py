@@ -42,7 +42,7 @@ from rlhf_core.data.sampler import total_steps
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.distributed.trainer import StageContext, newest_checkpoint
 from rlhf_core.models.builders import check_model_source
-from rlhf_core.storage import ArtifactError, ObjectStore, redact, storage_options_for
+from rlhf_core.storage import ArtifactError, ObjectStore, check_location, redact, storage_options_for
 from rlhf_core.types import CheckpointRef
 
 
@@ -98,7 +98,7 @@ def main(kind: str, run: Callable[[PipelineConfig, str], CheckpointRef], argv: l
         cfg = load_config(args.config, args.overrides)
         secrets += [cfg.storage.key, cfg.storage.secret]
         stage = stage_of_kind(cfg, kind, args.stage)
-        lease = Lease(open_store(cfg), stage, on_lost=lambda why: _stop_self(stage, why))
+        lease = Lease(open_store(cfg, check=True), stage, on_lost=lambda why: _stop_self(stage, why))
         with lease:
             ref = run(cfg, stage)
     except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
@@ -218,11 +218,15 @@ def ray_cpus(section: Any) -> float | None:
     return None
 
 
-def open_store(cfg: PipelineConfig) -> ObjectStore:
-    """The run's object store; a plain local ``run_uri`` is made absolute so that every worker writes to one place."""
+def open_store(cfg: PipelineConfig, *, check: bool = False) -> ObjectStore:
+    """The run's object store; a plain local ``run_uri`` is made absolute so that every worker writes to one place.
+    ``check``: first refuse a location that is of an unsupported scheme, unreachable within a bounded time, not
+    writable or an existing file (``storage.check_location``: StorageError, one line)."""
     s = cfg.storage
     uri = cfg.run_uri if "://" in cfg.run_uri else str(Path(cfg.run_uri).resolve())
     options = storage_options_for(uri, endpoint_url=s.endpoint_url, key=s.key, secret=s.secret, region=s.region)
+    if check:
+        check_location(uri, options)
     return ObjectStore(uri, options)
 
 
@@ -273,7 +277,7 @@ def upstream_hash(store: ObjectStore, path: str, key: str) -> dict[str, str]:
 
 
 def resolve_model(
-    store: ObjectStore, path: str, key: str, dest: str, trust_remote_code: bool = False
+    store: ObjectStore, path: str, key: str, dest: str, trust_remote_code: bool = False, tokenizer: str | None = None
 ) -> tuple[str, ModelSource]:
     """(driver path, worker source) for ``path``. ``stage:<name>`` is copied to ``dest`` from its committed output,
     each file checked against the manifest, and the workers get a ``StageModel`` of that same manifest; other paths
@@ -286,7 +290,7 @@ def resolve_model(
         except ArtifactError as e:
             raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
         return local, ref
-    check_model_source(path, key, trust_remote_code=trust_remote_code)
+    check_model_source(path, key, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
     return path, path
 
 
@@ -365,7 +369,7 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     for role, model in models.items():
         if model.name_or_path not in fetched:
             fetched[model.name_or_path] = resolve_model(
-                store, model.name_or_path, keys[role], work, model.trust_remote_code
+                store, model.name_or_path, keys[role], work, model.trust_remote_code, model.tokenizer
             )
     paths = {role: fetched[model.name_or_path][0] for role, model in models.items()}
     sources = {role: fetched[model.name_or_path][1] for role, model in models.items()}

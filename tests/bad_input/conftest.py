@@ -78,6 +78,7 @@ def refused(run_dir, work_dir, no_ray, capsys):
         before = snapshot(run_dir)
         job = importlib.import_module(f"rlhf_core.jobs.{kind}")
         from rlhf_core.jobs import common
+
         argv = ["--config", str(config), *(["--stage", stage] if stage else []), f"run_uri={run_dir}", *overrides]
         capsys.readouterr()
         with pytest.raises(SystemExit) as exited:
@@ -95,4 +96,3 @@ def refused(run_dir, work_dir, no_ray, capsys):
         return lines[0]
 
     return check
-

@@ -85,7 +85,6 @@ def test_bad_model_folder_is_refused(models, tmp_path, refused, case):
     refused("sft", f"sft.model.name_or_path={folder}", match=KEY + r".*" + match)
 
 
-@pytest.mark.xfail(reason="until resolve_model passes tokenizer= to check_model_source: remove then", strict=False)
 def test_bad_separate_tokenizer_is_refused(models, tmp_path, refused):
     folder = tmp_path / "tok"
     shutil.copytree(models["good"], folder)

@@ -1,5 +1,6 @@
 """Faults users hit in production, on the real pipeline: ``rlhf run`` as its own process on the test's Prefect server,
-each stage job with a Ray of its own (its processes are the job's, as on a machine of its own), and a run of two SFT stages (``sft_chain``) killed at chosen moments:
+each stage job with a Ray of its own (its processes are the job's, as on a machine of its own), and a run of two SFT
+stages (``sft_chain``) killed at chosen moments:
 
 - the machine dies (every process of the run at once, SIGSTOP then SIGKILL: nothing gets to react) while a
   checkpoint is being written, and right after a stage's manifest is committed;
