@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -115,25 +116,31 @@ class Lease:
 
     def _renew(self, acquired: float) -> None:
         while not self._stop.wait(self.ttl_s / 4):
-            held = self.read()
-            if held is not None and held.get("token") != self.token:
-                if self.on_lost is not None:
-                    self.on_lost(f"its lease {self.store.uri(self.rel)} was taken over by pid {held.get('pid')} on "
-                                 f"{held.get('host')}")  # fmt: skip
-                return
             try:
-                self.store.write_json(self.rel, self._record(acquired))
-            except Exception:  # noqa: BLE001 - a store blip: the next renewal tries again, the ttl allows for it
-                continue
+                held = self.read()
+                if held is None or held.get("token") == self.token:
+                    self.store.write_json(self.rel, self._record(acquired))
+                    continue
+            except Exception:  # noqa: BLE001 - a store blip (botocore's errors are no OSError): the next renewal
+                continue  # tries again, the ttl allows for it
+            if self.on_lost is not None:
+                self.on_lost(f"its lease {self.store.uri(self.rel)} was taken over by pid {held.get('pid')} on "
+                             f"{held.get('host')}")  # fmt: skip
+            return
 
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still this process's."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        held = self.read()
-        if held is not None and held.get("token") == self.token:
-            self.store.delete(self.rel)
+        try:
+            held = self.read()
+            if held is not None and held.get("token") == self.token:
+                self.store.delete(self.rel)
+        except Exception as e:  # noqa: BLE001 - the store is down: the job's own error matters more, and a lease
+            # left behind is taken over once its process is gone or its ttl has run out
+            print(f"warning: the lease {self.store.uri(self.rel)} could not be given back ({type(e).__name__})",
+                  file=sys.stderr)  # fmt: skip
 
     def __enter__(self) -> Lease:
         return self.acquire()
