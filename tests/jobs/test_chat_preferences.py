@@ -94,9 +94,11 @@ def test_chat_preferences_train_a_reward_model_end_to_end(tmp_path, ray_cluster,
     # every chat row was trained on (the preset's max_samples=1024 cuts none) and every held-out pair scored
     assert m["train_samples"] == N_TRAIN and m["eval_pairs"] == N_EVAL, m
     assert m["steps"] == N_TRAIN // 16, m
-    # learned: the loss fell and held-out chat pairs are ranked well above chance (0.5)
-    assert m["loss_end"] < m["loss_start"], m
-    assert m["eval_accuracy"] >= 0.0, m
-    manifest = ObjectStore(str(tmp_path / "run")).read_manifest("reward_model", verify=True)
-    assert manifest is not None
+    # learned: the loss fell (0.75 -> 0.32 seen) and held-out chat pairs are ranked well above chance (0.90 seen;
+    # 0.5 is chance, its standard error over 128 pairs 0.044)
+    assert m["loss_end"] < m["loss_start"] - 0.2, m
+    assert m["eval_accuracy"] >= 0.75, m
+    manifest = ObjectStore(str(tmp_path / "run")).read_manifest("reward_model", verify=True)  # sizes and sha256
+    assert manifest.config_hash == ref.config_hash and "model.safetensors" in manifest.files, manifest
+    assert manifest.metrics["train_samples"] == N_TRAIN, manifest.metrics
     print(f"{form}: { ({k: m[k] for k in ('loss_start', 'loss_end', 'eval_accuracy', 'train_samples')}) }")
