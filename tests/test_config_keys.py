@@ -70,6 +70,7 @@ from rlhf_core.jobs import common, critic_init, dpo, kto, reward_model, sft
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, build_scalar_model, load_tokenizer
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT, TINY
+from tests.remote_code import add_remote_code
 
 DATA = ROOT / "tests" / "data" / "config_keys"  # rows with alternative keys, and split folders (train/test/dev)
 METHODS = DATA / "methods.yaml"  # one stage of each of the kinds dpo, kto, generate and score, named after it
@@ -2285,49 +2286,11 @@ EFFECTS: dict[str, Probe] = {
 # Fixtures: a second tokenizer, models with custom code, tiny reward models
 
 
-REMOTE_CONFIG = """
-from transformers import LlamaConfig
-
-
-class ProbeConfig(LlamaConfig):
-    model_type = "keyprobe"
-"""
-REMOTE_MODELLING = """
-from torch import nn
-from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel, LlamaPreTrainedModel
-
-from .configuration_keyprobe import ProbeConfig
-
-
-class ProbeForCausalLM(LlamaForCausalLM):
-    config_class = ProbeConfig
-
-
-class ProbeForSequenceClassification(LlamaForSequenceClassification):
-    config_class = ProbeConfig
-
-    def __init__(self, config):  # the backbone built directly: AutoModel does not know this config class
-        LlamaPreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.model = LlamaModel(config)
-        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
-        self.post_init()
-"""
-
-
 def _with_remote_code(model: torch.nn.Module, tokenizer, out: Path, architecture: str) -> str:
     """Save ``model`` as a directory whose config needs its own modelling code (config.json auto_map)."""
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    (out / "configuration_keyprobe.py").write_text(REMOTE_CONFIG)
-    (out / "modeling_keyprobe.py").write_text(REMOTE_MODELLING)
-    config = json.loads((out / "config.json").read_text())
-    config.update(model_type="keyprobe", architectures=[architecture], auto_map={
-        "AutoConfig": "configuration_keyprobe.ProbeConfig",
-        "AutoModelForCausalLM": "modeling_keyprobe.ProbeForCausalLM",
-        "AutoModelForSequenceClassification": "modeling_keyprobe.ProbeForSequenceClassification",
-    })  # fmt: skip
-    (out / "config.json").write_text(json.dumps(config))
+    add_remote_code(out, "keyprobe", architecture)
     return str(out)
 
 

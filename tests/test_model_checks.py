@@ -20,6 +20,7 @@ from rlhf_core.models.builders import (
     check_model_source,
     load_tokenizer,
 )
+from tests.remote_code import add_remote_code
 
 KEY = "sft.model.name_or_path"
 
@@ -301,48 +302,12 @@ def test_load_tokenizer_refuses_with_key(copy_of):
         load_tokenizer("builtin:tiny", str(folder), key="rm.model.tokenizer")
 
 
-REMOTE_CONFIG = """
-from transformers import LlamaConfig
-
-
-class ProbeConfig(LlamaConfig):
-    model_type = "checkprobe"
-"""
-REMOTE_MODELLING = """
-from torch import nn
-from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel, LlamaPreTrainedModel
-
-from .configuration_checkprobe import ProbeConfig
-
-
-class ProbeForCausalLM(LlamaForCausalLM):
-    config_class = ProbeConfig
-
-
-class ProbeForSequenceClassification(LlamaForSequenceClassification):
-    config_class = ProbeConfig
-
-    def __init__(self, config):  # the backbone built directly: AutoModel does not know this config class
-        LlamaPreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.model = LlamaModel(config)
-        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
-        self.post_init()
-"""
-
-
 @pytest.mark.parametrize(
     ("kind", "architecture"), [("causal", "ProbeForCausalLM"), ("scalar", "ProbeForSequenceClassification")]
 )
 def test_custom_code_model_passes_with_trust_remote_code(tmp_path, kind, architecture):
     folder = save_tiny(tmp_path / "remote", kind=kind)
-    (folder / "configuration_checkprobe.py").write_text(REMOTE_CONFIG)
-    (folder / "modeling_checkprobe.py").write_text(REMOTE_MODELLING)
-    edit_config(folder, model_type="checkprobe", architectures=[architecture], auto_map={
-        "AutoConfig": "configuration_checkprobe.ProbeConfig",
-        "AutoModelForCausalLM": "modeling_checkprobe.ProbeForCausalLM",
-        "AutoModelForSequenceClassification": "modeling_checkprobe.ProbeForSequenceClassification",
-    })  # fmt: skip
+    add_remote_code(folder, "checkprobe", architecture)
     check_model_source(str(folder), KEY, trust_remote_code=True)
     refused(folder, r"custom code \(auto_map\); set sft.model.trust_remote_code=true")
     edit_config(folder, vocab_size=512)
