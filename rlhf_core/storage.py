@@ -125,6 +125,11 @@ class Manifest:
         )
 
 
+def next_rel(rel: str) -> str:
+    """Where a new version of artifact rel is written before it replaces rel (``ObjectStore.put_artifact``)."""
+    return rel.rstrip("/") + ".next"
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of a local file, read in chunks."""
     h = hashlib.sha256()
@@ -313,10 +318,51 @@ class ObjectStore:
         extra: dict | None = None,
         clear: bool = True,
     ) -> Manifest:
-        """Upload local_dir to rel and commit it: manifest removed first, written last."""
+        """Upload local_dir beside rel (``<rel>.next``) and commit it there, then replace rel by it (``promote``).
+
+        Until the new copy is complete, rel is left as it was; from then on one of the two is complete at every
+        moment, and ``recover`` finishes a replacement that was cut short. ``clear``: files of the old rel that the
+        new one does not have are removed (else kept, e.g. a stage's checkpoints under it)."""
+        staging = next_rel(rel)
+        self.delete(staging)  # a half upload of an earlier attempt
+        files = self.upload_files(local_dir, staging)
+        self.commit(staging, stage=stage, config_hash=config_hash, files=files, metrics=metrics, extra=extra)
+        return self.promote(rel, clear=clear)
+
+    def promote(self, rel: str, *, clear: bool = False) -> Manifest:
+        """Replace rel by its committed ``<rel>.next``: rel's manifest removed first, the files copied (hard links on
+        a local store), rel committed with the same manifest, then ``<rel>.next`` deleted."""
+        staging = next_rel(rel)
+        m = self.read_manifest(staging, verify=False)
         self.prepare(rel, clear=clear)
-        files = self.upload_files(local_dir, rel)
-        return self.commit(rel, stage=stage, config_hash=config_hash, files=files, metrics=metrics, extra=extra)
+        for name in sorted(m.files):
+            src, dest = self._path(staging, name), self._path(rel, name)
+            self._mkparent(dest)
+            if self._is_local:
+                Path(dest).unlink(missing_ok=True)
+                try:
+                    os.link(src, dest)
+                except OSError:  # another device, or no hard links there
+                    self.fs.copy(src, dest)
+            else:
+                self.fs.copy(src, dest)
+        self.fs.invalidate_cache()
+        out = self.commit(rel, stage=m.stage, config_hash=m.config_hash, files=m.files, metrics=m.metrics,
+                          extra=m.extra)  # fmt: skip
+        self.delete(staging)
+        return out
+
+    def recover(self, rel: str) -> bool:
+        """Finish a replacement of rel that was cut short: a complete ``<rel>.next`` is promoted, a partial one (an
+        upload that did not finish: rel is still the old output) deleted. True when rel was replaced."""
+        staging = next_rel(rel)
+        if not self.exists(staging):
+            return False
+        if self.is_complete(staging):
+            self.promote(rel)
+            return True
+        self.delete(staging)
+        return False
 
     def _remote_sizes(self, rel: str) -> dict[str, int]:
         base = self._path(rel).rstrip("/") + "/"

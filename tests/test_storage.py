@@ -206,3 +206,30 @@ def test_prefix_siblings_untouched(store: ObjectStore, tmp_path: Path) -> None:
     store.put_artifact(src, "ckpt/step-1", stage="s", config_hash="h2")  # clears only step-1
     store.delete("ckpt/step-1")
     assert store.list_dirs("ckpt") == ["step-10"] and store.is_complete("ckpt/step-10")
+
+
+def test_a_replacement_cut_short_never_loses_the_output(store: ObjectStore, tmp_path: Path) -> None:
+    from rlhf_core.storage import next_rel
+
+    old = store.put_artifact(make_dir(tmp_path / "a", "old"), "art", stage="s", config_hash="1")
+    new_dir = make_dir(tmp_path / "b", "new")
+    staging = next_rel("art")
+    assert not store.exists(staging)  # put_artifact leaves nothing beside
+
+    # died uploading the new version: the old one is untouched, and the half upload is dropped
+    store.upload_files(new_dir, staging)
+    assert store.read_manifest("art") == old
+    assert store.recover("art") is False and not store.exists(staging)
+    assert store.read_text("art/config.json") == '{"variant": "old"}'
+
+    # died after committing the new version beside, or in the middle of the swap: recover finishes it
+    for cut_at in ("committed", "swapping"):
+        files = store.upload_files(new_dir, staging)
+        store.commit(staging, stage="s", config_hash="2", files=files)
+        if cut_at == "swapping":
+            store.prepare("art", clear=False)  # the old manifest is gone, the copy had not finished
+            store.fs.copy(store._path(staging, "config.json"), store._path("art", "config.json"))
+        assert store.recover("art") is True
+        assert store.read_manifest("art").config_hash == "2"  # verifies every file's sha256
+        assert store.read_text("art/config.json") == '{"variant": "new"}' and not store.exists(staging)
+        store.put_artifact(make_dir(tmp_path / "a", "old"), "art", stage="s", config_hash="1")

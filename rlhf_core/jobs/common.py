@@ -358,6 +358,8 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     for key, path in data_keys.items():
         upstream.update(upstream_hash(store, path, key))
     config_hash = stage_hash(section, upstream)
+    if store.recover(stage):  # the job that wrote the stage's new output died while replacing the old one
+        print(f"[{stage}] finished replacing {store.uri(stage)} by its new output")
     done = existing_output(store, stage, config_hash)
     if done is not None:
         print(f"[{stage}] {done.uri} is already complete for config {config_hash}; nothing to do")
