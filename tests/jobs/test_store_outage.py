@@ -139,17 +139,20 @@ def stop_when(s3: OwnS3, prefix: str, proc: subprocess.Popen, log: Path, seen: C
 
 @dataclass
 class Outcome:
-    at_outage: set[str]  # the listing of <run>/sft/ that triggered the outage
+    at_outage: set[str]  # the listing of the watched folder (<run>/sft/ or <run>/sft.next/) that triggered the outage
     after_restart: set[str]  # the same listing once the store is back, before the rerun
+    stage_after_restart: set[str]  # the listing of <run>/sft/ then
     down_at: datetime  # when the store went down (UTC)
     ref: dict  # the rerun's CheckpointRef (--ref-out)
 
 
-def outage_then_rerun(s3: OwnS3, tmp: Path, overrides: list[str], seen: Callable[[set[str]], bool]) -> Outcome:
-    """Run the job with slow uploads, stop the store when ``seen``, check the job fails in bounded time, bring the
-    store back and rerun without the pause."""
+def outage_then_rerun(
+    s3: OwnS3, tmp: Path, overrides: list[str], seen: Callable[[set[str]], bool], folder: str = "sft"
+) -> Outcome:
+    """Run the job with slow uploads, stop the store when ``seen`` (the listing of ``<run>/<folder>/``), check the job
+    fails in bounded time, bring the store back and rerun without the pause."""
     run_uri = f"s3://{BUCKET}/runs/{tmp.name}"
-    prefix = f"{BUCKET}/runs/{tmp.name}/sft"
+    prefix = f"{BUCKET}/runs/{tmp.name}/{folder}"
     proc, log, _ = start_job(s3, run_uri, tmp, "first", True, overrides)
     at_outage = stop_when(s3, prefix, proc, log, seen)
     down, down_at = time.monotonic(), datetime.now(UTC)
@@ -162,7 +165,7 @@ def outage_then_rerun(s3: OwnS3, tmp: Path, overrides: list[str], seen: Callable
     assert not list((tmp / "work").glob("rlhf-pipeline/*")), "the failed job left its scratch folders behind"
 
     assert s3.server.restart() == s3.endpoint_url
-    after_restart = listing(s3, prefix)
+    after_restart, stage_after_restart = listing(s3, prefix), listing(s3, f"{BUCKET}/runs/{tmp.name}/sft")
     committed = {f for f in at_outage if f.endswith(MANIFEST_NAME)}
     assert committed <= after_restart, "manifests committed before the outage were lost by the restart"
 
@@ -172,7 +175,7 @@ def outage_then_rerun(s3: OwnS3, tmp: Path, overrides: list[str], seen: Callable
     assert "[sft] done: " in log.read_text() and "already complete" not in log.read_text()
     lease = ObjectStore(run_uri, s3.options()).exists("_leases/sft.json")
     assert not lease, "the rerun did not give its lease back"
-    return Outcome(at_outage, after_restart, down_at, json.loads(ref_out.read_text()))
+    return Outcome(at_outage, after_restart, stage_after_restart, down_at, json.loads(ref_out.read_text()))
 
 
 def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_path):
@@ -201,17 +204,20 @@ def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_
 
 
 def test_outage_mid_export_reruns_to_a_verified_output(own_s3, tmp_path):
-    """The store dies while the stage's own output is half uploaded: no manifest was written, the rerun does not
-    take it for a finished stage, resumes from the last checkpoint and commits a complete, verified output."""
+    """The store dies while the stage's own output is half uploaded (beside the stage, in ``sft.next/``): no
+    manifest was written, the rerun does not take it for a finished stage, resumes from the last checkpoint and
+    commits a complete, verified output."""
 
     def export_half_uploaded(files: set[str]) -> bool:
-        exported = {f for f in files if "/" not in f and f != "metrics.json"}
+        exported = {f for f in files if "/" not in f}
         return bool(exported) and MANIFEST_NAME not in exported
 
-    out = outage_then_rerun(own_s3, tmp_path, ["sft.train.save_steps=2"], export_half_uploaded)
+    out = outage_then_rerun(own_s3, tmp_path, ["sft.train.save_steps=2"], export_half_uploaded, folder="sft.next")
     ref, after_restart = out.ref, out.after_restart
     assert MANIFEST_NAME not in after_restart, "the output was committed after all: the outage came too late"
-    assert all(MANIFEST_NAME in files for files in checkpoints(after_restart).values())
+    assert MANIFEST_NAME not in out.stage_after_restart
+    ckpts = checkpoints(out.stage_after_restart)
+    assert ckpts and all(MANIFEST_NAME in files for files in ckpts.values())
 
     assert ref["metrics"]["resumed_from_step"] == 2 and ref["step"] == 3
     store = ObjectStore(f"s3://{BUCKET}/runs/{tmp_path.name}", own_s3.options())
@@ -219,3 +225,4 @@ def test_outage_mid_export_reruns_to_a_verified_output(own_s3, tmp_path):
     assert final.metrics["resumed_from_step"] == 2 and final.config_hash == ref["config_hash"]
     half = {f for f in after_restart if "/" not in f}
     assert half <= set(final.files)  # every half-uploaded file was written again and is checked by the manifest
+    assert not store.exists("sft.next")  # the new output was swapped in, nothing left beside
