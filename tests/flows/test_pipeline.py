@@ -87,8 +87,8 @@ def test_deployed_pipeline_runs_on_a_process_worker(prefect_server, work_pool, t
         assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200)
         messages = "\n".join(log.message for log in logs)
-    # The stage job's own output, Ray workers' lines included, is in the run log.
-    assert "[sft] step" in messages and "_Shell pid=" in messages
+    # The stage job's own output, Ray workers' lines included (prefixed with the worker's role), is in the run log.
+    assert "[sft] step" in messages and "SupervisedTrainer rank 0 pid=" in messages
 
 
 def _job_tree(run_dir, timeout_s=180) -> list[int]:
