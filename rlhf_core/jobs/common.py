@@ -185,7 +185,7 @@ def _watch_orchestrator(stage: str, poll_s: float = 1.0) -> threading.Event:
     """When the launcher's process (``RLHF_ORCHESTRATOR_PID``) dies, stop: no job writes on unseen. Returns the
     event that ends the watch."""
     done = threading.Event()
-    value = os.environ.get(ORCHESTRATOR_ENV)
+    value = os.environ.pop(ORCHESTRATOR_ENV, None)  # for this process only, not for what it starts
     if not value:
         return done
     pid = int(value)
