@@ -88,7 +88,7 @@ def one_ray(min_cpus: float = 1) -> Iterator[None]:
 class _Shell:
     """The Ray side of a worker: sets the process environment, then hosts one plain object."""
 
-    def __init__(self, env: dict[str, str], threads: int):
+    def __init__(self, env: dict[str, str], threads: int, role: str = "worker"):
         os.environ.update(env)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         import warnings
@@ -100,9 +100,9 @@ class _Shell:
 
         torch.set_num_threads(threads)
         self.obj: Any = None
-        self.role = "worker"
+        self.role = role  # "<hosted class> rank <r>": Ray's log prefix and error header show it
 
-    def __repr__(self) -> str:  # Ray puts it in a RayTaskError: describe_worker_error names the role from it
+    def __repr__(self) -> str:  # Ray prefixes the worker's log lines with it and puts it in a RayTaskError
         return self.role
 
     def address(self) -> tuple[str, int]:
@@ -119,7 +119,6 @@ class _Shell:
         """Join the group's world (``master``: rank 0's address and port; Ray hands over the value of the ObjectRef
         the driver passes) and build the hosted object."""
         os.environ.update(env, MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
-        self.role = f"{factory.__name__} rank {env.get('RANK', '0')}"
         self.obj = factory(*args, **kwargs)
 
     def call(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -230,7 +229,11 @@ class RayWorkerGroup(Generic[T]):
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement, placement_group_bundle_index=rank
                 )
-            self.actors.append(remote_shell.options(**options).remote(base_env, cfg.threads_per_worker))
+            self.actors.append(
+                remote_shell.options(**options).remote(
+                    base_env, cfg.threads_per_worker, f"{factory.__name__} rank {rank}"
+                )
+            )
         self.name = name
         if not self.actors:
             self._starting: list[Any] = []
