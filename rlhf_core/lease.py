@@ -83,8 +83,8 @@ class Lease:
     def read(self) -> dict | None:
         """The lease record in the store, or None when there is none (or it is unreadable: a torn write)."""
         try:
-            return self.store.read_json(self.rel) if self.store.exists(self.rel) else None
-        except (OSError, ValueError):
+            return self.store.read_json(self.rel)
+        except (OSError, ValueError):  # FileNotFoundError among them
             return None
 
     def acquire(self, wait_s: float | None = None, poll_s: float = 0.5) -> Lease:

@@ -8,6 +8,7 @@ stores have no atomic rename), and deleted first when a directory is overwritten
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -53,6 +54,7 @@ _S3_SCHEMES = ("s3", "s3a")
 _GS_SCHEMES = ("gs", "gcs")
 
 
+@functools.cache
 def _has_gcsfs() -> bool:
     return importlib.util.find_spec("gcsfs") is not None
 
@@ -80,7 +82,8 @@ def _endpoint(options: dict | None) -> str:
     return str(url) if url else "the default AWS endpoint"
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace (newlines included) made one space."""
     return " ".join(str(text).split())
 
 
@@ -168,7 +171,7 @@ class ObjectStore:
         except Exception as e:  # unknown protocol, missing driver package, bad options: one clear line
             if isinstance(e, ValueError) and "protocol" in str(e).lower() and (msg := unsupported_scheme(root_uri)):
                 raise StorageError(msg.replace("run_uri ", "store ", 1)) from None
-            text = redact(_one_line(f"{type(e).__name__}: {e}"), _secrets(self._storage_options))
+            text = redact(one_line(f"{type(e).__name__}: {e}"), _secrets(self._storage_options))
             raise StorageError(f"store {self.root_uri!r}: cannot open it ({text})") from None
         self._root: str = root.rstrip("/")
         self._is_s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
@@ -509,7 +512,7 @@ def check_location(
     try:
         fs, root = fsspec.core.url_to_fs(uri.rstrip("/") or "/", **options)
     except Exception as e:
-        text = redact(_one_line(f"{type(e).__name__}: {e}"), secrets)
+        text = redact(one_line(f"{type(e).__name__}: {e}"), secrets)
         raise StorageError(f"{where}: cannot open it ({text})") from None
     if scheme in _S3_SCHEMES:
         fs.retries = 1
@@ -536,8 +539,8 @@ def check_location(
     if (err := outcome[0]) is None:
         return
     if isinstance(err, StorageError):
-        raise StorageError(redact(_one_line(str(err)), secrets)) from None
-    text = redact(_one_line(f"{type(err).__name__}: {err}"), secrets)
+        raise StorageError(redact(one_line(str(err)), secrets)) from None
+    text = redact(one_line(f"{type(err).__name__}: {err}"), secrets)
     raise StorageError(f"{where}: cannot use it ({text})") from None
 
 

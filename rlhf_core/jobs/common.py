@@ -42,7 +42,7 @@ from rlhf_core.data.sampler import total_steps
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.distributed.trainer import StageContext, newest_checkpoint
 from rlhf_core.models.builders import check_model_source
-from rlhf_core.storage import ArtifactError, ObjectStore, check_location, redact, storage_options_for
+from rlhf_core.storage import ArtifactError, ObjectStore, check_location, one_line, redact, storage_options_for
 from rlhf_core.types import CheckpointRef
 
 
@@ -119,10 +119,6 @@ def main(kind: str, run: Callable[[PipelineConfig, str], CheckpointRef], argv: l
     print(f"[{stage}] done: {ref.uri} (step {ref.step}, config {ref.config_hash})")
     for key, value in ref.metrics.items():
         print(f"[{stage}]   {key}: {value}")
-
-
-def one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 def _env_secrets() -> list[str | None]:

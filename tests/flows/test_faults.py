@@ -86,9 +86,12 @@ def run_chain(run_dir: Path, env: dict, log: Path, **extra_env: str) -> subproce
                  env, log, **extra_env)  # fmt: skip
 
 
+def start_resume(run_dir: Path, env: dict, log: Path) -> subprocess.Popen:
+    return start(["resume", run_dir.parent.name, "--run-uri", str(run_dir)], env, log)
+
+
 def resume(run_dir: Path, env: dict, log: Path) -> int:
-    proc = start(["resume", run_dir.parent.name, "--run-uri", str(run_dir)], env, log)
-    return proc.wait(timeout=600)
+    return start_resume(run_dir, env, log).wait(timeout=600)
 
 
 def wait_for(what, proc: subprocess.Popen, log: Path, timeout_s: float = 300, poll_s: float = 0.05):
@@ -100,6 +103,14 @@ def wait_for(what, proc: subprocess.Popen, log: Path, timeout_s: float = 300, po
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) first:\n{log.read_text()[-4000:]}"
         time.sleep(poll_s)
     raise AssertionError(f"timed out:\n{log.read_text()[-4000:]}")
+
+
+def at_sft_b_first_checkpoint(run_dir: Path, env: dict, log: Path) -> tuple[subprocess.Popen, int]:
+    """The chain running (uploads slowed a little) until sft_b has committed a checkpoint: (orchestrator, sft_b's
+    job pid)."""
+    proc = run_chain(run_dir, env, log, RLHF_UPLOAD_PAUSE_S="0.2")
+    wait_for(lambda: checkpoints(run_dir, "sft_b")[0], proc, log)
+    return proc, next(r["pid"] for r in launches(run_dir) if r["stage"] == "sft_b")
 
 
 def lose_machine(proc: subprocess.Popen) -> None:
@@ -154,9 +165,7 @@ def test_machine_loss_right_after_a_manifest_commit_does_not_relaunch_the_stage(
 
 def test_a_job_killed_with_sigkill_is_retried_and_resumes_from_its_checkpoint(env, tmp_path):
     run_dir, log = tmp_path / "jobkill" / "run", tmp_path / "run.log"
-    proc = run_chain(run_dir, env, log, RLHF_UPLOAD_PAUSE_S="0.2")
-    wait_for(lambda: checkpoints(run_dir, "sft_b")[0], proc, log)
-    job = next(r["pid"] for r in launches(run_dir) if r["stage"] == "sft_b")
+    proc, job = at_sft_b_first_checkpoint(run_dir, env, log)
     os.kill(job, signal.SIGKILL)
 
     assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
@@ -170,13 +179,11 @@ def test_a_job_killed_with_sigkill_is_retried_and_resumes_from_its_checkpoint(en
 
 def test_killing_the_orchestrator_stops_its_job_and_an_immediate_resume_never_makes_two_writers(env, tmp_path):
     run_dir, log = tmp_path / "orch" / "run", tmp_path / "run.log"
-    proc = run_chain(run_dir, env, log, RLHF_UPLOAD_PAUSE_S="0.2")
-    wait_for(lambda: checkpoints(run_dir, "sft_b")[0], proc, log)
-    old = next(r["pid"] for r in launches(run_dir) if r["stage"] == "sft_b")
+    proc, old = at_sft_b_first_checkpoint(run_dir, env, log)
     os.kill(proc.pid, signal.SIGKILL)  # the orchestrator only: its job lives on in its own session
     proc.wait(timeout=30)
 
-    second = start(["resume", run_dir.parent.name, "--run-uri", str(run_dir)], env, log)
+    second = start_resume(run_dir, env, log)
     lease, old_gone_after = run_dir / "_leases" / "sft_b.json", None
     started = time.time()
     while second.poll() is None and time.time() - started < 600:
