@@ -51,13 +51,15 @@ def test_wait_timed_gives_each_group_its_time_to_completion(ray_cluster):
         time.sleep(seconds)
         return value
 
-    ray.get([nap.remote(0, 0), nap.remote(0, 0)])  # workers up before the clock starts
+    # one warm worker per task below before the clock starts: a cold worker start (about 1 s on a busy 2-core
+    # machine) would otherwise land on whichever group got the new worker
+    ray.get([nap.remote(0.3, 0) for _ in range(3)])
     started = time.perf_counter()
-    groups = {"slow": [nap.remote(1.0, 1), nap.remote(0.1, 2)], "fast": [nap.remote(0.1, 3)], "none": [],
+    groups = {"slow": [nap.remote(2.0, 1), nap.remote(0.1, 2)], "fast": [nap.remote(0.1, 3)], "none": [],
               "local": [4, 5]}  # fmt: skip
     results, seconds = launcher.wait_timed(groups, started)
     assert results == {"slow": [1, 2], "fast": [3], "none": [], "local": [4, 5]}
-    assert seconds["slow"] >= 1.0 and seconds["fast"] < seconds["slow"] and seconds["none"] == 0.0
+    assert seconds["slow"] >= 2.0 and seconds["fast"] < seconds["slow"] and seconds["none"] == 0.0
     assert 0.0 < seconds["local"] < seconds["fast"]  # values are ready when wait_timed is called
 
     @ray.remote
