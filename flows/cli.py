@@ -3,6 +3,7 @@
     rlhf run PRESET [key=value ...] [--run-name NAME] [--run-uri URI]    the whole pipeline
     rlhf resume RUN_NAME [--run-uri URI]                                 rerun a run with its saved parameters
     rlhf stage NAME PRESET [key=value ...] [--run-name NAME]             one stage instance (its inputs must exist)
+    rlhf compare RUN_A RUN_B [...] [--out DIR]                           overlay the runs' curves, final metrics
 
 ``--shared-ray`` (run, stage): one Ray for the run's stage jobs, started by the flow (``shared_ray``).
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     stage_p.add_argument("stage", help="a stage instance of the preset, e.g. ppo")
     stage_p.add_argument("preset")
     stage_p.add_argument("overrides", nargs="*")
+    compare_p = sub.add_parser("compare", help="overlay the curves of runs and put their final metrics side by side")
+    compare_p.add_argument("runs", nargs="+", help="run names (runs/<name>), folders or URIs (s3://...)")
+    compare_p.add_argument("--out", default=None, help="report folder (default runs/_compare/<names>)")
     for p in (run_p, resume_p, stage_p):
         p.add_argument("--run-uri", default=None, help="where artifacts go (default runs/<run name>)")
     for p in (run_p, stage_p):
@@ -62,6 +66,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if args.command == "compare":
+        from flows.compare import compare_command
+
+        try:
+            report = compare_command(args.runs, args.out)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"report: {report}")
+        return
     from flows.rlhf_pipeline import rlhf_pipeline, summary_markdown
 
     try:

@@ -7,6 +7,7 @@ the logs, so log wording can change freely. Without the variable every ``emit`` 
 Events (``event`` field):
 
 - ``step``:   ``stage``, ``step`` (1-based), ``total``, ``metrics`` (floats) -- one optimizer/PPO step done.
+- ``resumed``: ``stage``, ``step`` -- the stage continues from its checkpoint of that step.
 - ``result``: ``stage``, ``ref`` (a ``CheckpointRef`` as a dict) -- the stage committed its output.
 
 Each line is written with one ``write`` on a file opened in append mode, so lines from several processes on one
@@ -44,6 +45,10 @@ def emit(event: str, **fields: Any) -> None:
 
 def step(stage: str, step: int, total: int, metrics: dict[str, Any] | None = None) -> None:
     emit("step", stage=stage, step=int(step), total=int(total), metrics=_floats(metrics or {}))
+
+
+def resumed(stage: str, step: int) -> None:
+    emit("resumed", stage=stage, step=int(step))
 
 
 def result(stage: str, ref: dict) -> None:

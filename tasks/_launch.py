@@ -189,12 +189,13 @@ def launch_stage(
     config_path: str,
     store: ObjectStore,
     log: Callable[[str], None],
-    on_step: Callable[[int, int], None] | None = None,
+    on_event: Callable[[dict], None] | None = None,
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
 ) -> dict:
     """Run stage instance ``stage`` (``python -m <module> --stage <stage>`` on the resolved config file) and return
-    the CheckpointRef dict of its ``result`` event."""
+    the CheckpointRef dict of its ``result`` event. ``on_event`` gets the stage's other events (``step``,
+    ``resumed``) as the job writes them, in the launcher's watcher thread."""
     events_file = Path(tempfile.mkstemp(prefix=f"{stage}-events-", suffix=".jsonl")[1])
     cmd = [sys.executable, "-m", module, "--config", config_path, "--stage", stage]
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
@@ -212,7 +213,7 @@ def launch_stage(
     results: list[dict] = []
     finished = threading.Event()
     reader = threading.Thread(target=_pump, args=(proc, log, tail), daemon=True)
-    watcher = threading.Thread(target=_watch, args=(events_file, stage, on_step, results, finished), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(events_file, stage, on_event, results, finished), daemon=True)
     reader.start()
     watcher.start()
     try:
@@ -250,9 +251,9 @@ def _pump(proc: subprocess.Popen, log: Callable[[str], None], tail: list[str]) -
         del tail[:-50]
 
 
-def _watch(path: Path, stage: str, on_step, results: list[dict], finished: threading.Event, poll_s: float = 0.5):
-    """Follow the events file until the job has ended: progress from ``step`` events, the ``result`` event kept. A
-    progress callback that fails (e.g. the Prefect API it reports to is unreachable from this thread) is dropped
+def _watch(path: Path, stage: str, on_event, results: list[dict], finished: threading.Event, poll_s: float = 0.5):
+    """Follow the events file until the job has ended: the ``result`` event kept, the others passed on. A
+    callback that fails (e.g. the Prefect API it reports to is unreachable from this thread) is dropped
     with a warning: the result must still be read, or a finished job would count as failed and be retried."""
     offset = 0
     while True:
@@ -261,14 +262,14 @@ def _watch(path: Path, stage: str, on_step, results: list[dict], finished: threa
         for event in new:
             if event.get("stage") != stage:
                 continue
-            if event["event"] == "step" and on_step is not None:
+            if event["event"] == "result":
+                results.append(event["ref"])
+            elif on_event is not None:
                 try:
-                    on_step(int(event["step"]), int(event["total"]))
+                    on_event(event)
                 except Exception as e:  # progress is best effort
                     print(f"warning: the {stage} job's progress is no longer reported ({e!r})", file=sys.stderr)
-                    on_step = None
-            elif event["event"] == "result":
-                results.append(event["ref"])
+                    on_event = None
         if done:
             return
         finished.wait(poll_s)

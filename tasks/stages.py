@@ -24,7 +24,9 @@ from prefect.states import Completed
 from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config, stage_hash
 from rlhf_core.jobs.common import committed_ref, existing_output, open_store
 from rlhf_core.timing import phase_rows
+from tasks import progress
 from tasks._launch import StageJobError, launch_stage
+from tasks.live_curves import LiveCurves
 
 RESULTS = "_prefect/results"  # under the run's location; flows.rlhf_pipeline.result_storage points there
 
@@ -89,12 +91,25 @@ def run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> Any:
         logger.info(f"{stage}: {done.uri} is committed for this config; nothing to run")
         return Completed(name="Cached", data=done.to_dict(), message="output committed in the run's location")
     key = stage.replace("_", "-")
-    progress = create_progress_artifact(progress=0.0, key=f"{key}-progress", description=f"{stage}: steps done")
-    ref = launch_stage(
-        stage, STAGE_KINDS[spec.kind].job, run.config_path, store, logger.info,
-        on_step=lambda done, total: update_progress_artifact(progress, 100.0 * done / total),
-    )  # fmt: skip
-    update_progress_artifact(progress, 100.0)
+    context = TaskRunContext.get()
+    attempt = context.task_run.run_count if context is not None else 1
+    progress.publish({"event": "started", "stage": stage, "kind": spec.kind, "attempt": attempt})
+    bar = create_progress_artifact(progress=0.0, key=f"{key}-progress", description=f"{stage}: steps done")
+    live = LiveCurves(stage, spec.kind, key)
+
+    def on_event(event: dict) -> None:  # the launcher's watcher thread
+        if event["event"] == "step":
+            update_progress_artifact(bar, 100.0 * event["step"] / event["total"])
+            live.add(event)
+        progress.publish(event)
+
+    try:
+        ref = launch_stage(stage, STAGE_KINDS[spec.kind].job, run.config_path, store, logger.info, on_event=on_event)
+    except StageJobError:
+        live.finish(store, failed=True)
+        raise
+    update_progress_artifact(bar, 100.0)
+    live.finish(store)
     rows = [{"metric": k, "value": v} for k, v in ref["metrics"].items()]
     create_table_artifact(rows, key=f"{key}-metrics", description=f"{stage} ({spec.kind}) metrics ({ref['uri']})")
     phases = phase_rows(ref["metrics"])  # stages that time their steps (timing/<phase>_s_mean): one row per phase

@@ -62,6 +62,7 @@ def prefect_server(tmp_path_factory):
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_API_URL": url,
+        "PREFECT_UI_API_URL": url,  # the UI's own API calls (else 127.0.0.1:4200)
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
     }
@@ -80,7 +81,7 @@ def prefect_server(tmp_path_factory):
         saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_SERVER_ANALYTICS_ENABLED")}
         os.environ.update({k: env[k] for k in saved})  # for the job subprocesses
         with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_HOME: str(home)}):
-            yield {"url": url, "env": env, "home": home}
+            yield {"url": url, "ui": url.removesuffix("/api"), "env": env, "home": home}
             from prefect.logging.handlers import APILogHandler
 
             APILogHandler().flush()  # send the last run logs while the server is still there

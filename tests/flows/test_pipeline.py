@@ -2,18 +2,21 @@
 back through the API, cancellation, resume of a failed run, and reruns after a config change."""
 
 import json
+import shutil
 import time
 
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.sorting import ArtifactSort
 from prefect.deployments import run_deployment
 from prefect.states import Cancelling
 
 from deployments.deploy import deploy
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
 from rlhf_core.jobs.ppo import SEQUENTIAL_PHASES
+from tasks._launch import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +41,19 @@ PPO_PHASES = ["generation", "experience", *(f"experience_{r}" for r in ROLES), "
               "actor_train", "weight_sync", "checkpoint"]  # fmt: skip
 
 
-def test_deployed_pipeline_runs_on_a_process_worker(prefect_server, work_pool, tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def deployed_run(prefect_server, work_pool, tmp_path_factory):
+    """The tiny pipeline deployed and run once on the process worker: (the flow run, its run folder)."""
+    run_dir = tmp_path_factory.mktemp("deployed") / "run"
     deploy(work_pool["pool"], cron="0 3 * * *", names=["tiny-nightly"],
            overrides={"run_uri": str(run_dir), "overrides": FAST})  # fmt: skip
     flow_run = run_deployment("rlhf-pipeline/tiny-nightly", timeout=900)
     assert flow_run.state.is_completed(), (flow_run.state, work_pool["worker_log"].read_text()[-3000:])
+    return flow_run, run_dir
+
+
+def test_deployed_pipeline_runs_on_a_process_worker(deployed_run):
+    flow_run, run_dir = deployed_run
 
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert states(summary) == dict.fromkeys(STAGES, "Completed")
@@ -89,6 +99,53 @@ def test_deployed_pipeline_runs_on_a_process_worker(prefect_server, work_pool, t
         messages = "\n".join(log.message for log in logs)
     # The stage job's own output, Ray workers' lines included (prefixed with the worker's role), is in the run log.
     assert "[sft] step" in messages and "SupervisedTrainer rank 0 pid=" in messages
+
+
+CURVE_STAGES = ["sft", "reward_model", "critic_warmup", "ppo"]  # critic_init copies a model: no steps
+SHOTS = ROOT / ".rlhf" / "test-outputs" / "ui"  # the screenshots, kept after the test
+
+
+def test_the_prefect_ui_renders_each_stage_curves(deployed_run, prefect_server):
+    """Headless Chromium opens each stage's curves artifact page on the real server: the figure is rendered (a
+    decoded image of non-zero natural size); the PPO figure has one point per logged step; and while PPO ran, a
+    version of its artifact held a partial curve."""
+    from playwright.sync_api import sync_playwright
+
+    flow_run, run_dir = deployed_run
+    with get_client(sync_client=True) as client:
+        versions = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])),
+            sort=ArtifactSort.CREATED_DESC, limit=500,
+        )[::-1]  # fmt: skip
+    latest = {a.key: a for a in versions}  # oldest first: the last one of a key is its latest version
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        for stage in CURVE_STAGES:
+            artifact = latest[f"{stage.replace('_', '-')}-curves"]
+            page.goto(f"{prefect_server['ui']}/artifacts/artifact/{artifact.id}")
+            alt = f"{stage} curves"
+            page.wait_for_function(
+                "alt => [...document.images].some(i => i.alt === alt && i.complete && i.naturalWidth > 0)", arg=alt,
+                timeout=60_000,
+            )  # fmt: skip
+            size = page.evaluate("alt => [...document.images].filter(i => i.alt === alt)"
+                                 ".map(i => [i.naturalWidth, i.naturalHeight])[0]", alt)  # fmt: skip
+            assert min(size) > 100, (stage, size)
+            page.screenshot(path=str(SHOTS / f"{stage}-curves.png"), full_page=True)
+        browser.close()
+    # One point per logged step (the tiny preset logs every PPO step): the final figure's table has each step.
+    history = json.loads((run_dir / "ppo" / "metrics.json").read_text())["history"]
+    final = latest["ppo-curves"].data
+    assert "**final**: 4 logged steps, last step 4 of 4" in final
+    assert [row.split(" | ")[0] for row in final.splitlines() if row.startswith("| ") and row[2].isdigit()] == [
+        f"| {h['step']}" for h in history
+    ]
+    # While PPO ran: a version drawn from the job's step events, after at least two of them and before the last.
+    running = [a.data for a in versions if a.key == "ppo-curves" and "**running" in a.data]
+    assert running, "no version of the PPO curves was drawn while it ran"
+    assert any(f"logged steps, last step {k} of 4" in text for text in running for k in (2, 3)), running[0][:300]
 
 
 def _job_tree(run_dir, timeout_s=180) -> list[int]:
