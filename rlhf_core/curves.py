@@ -81,6 +81,7 @@ def figure(series: Mapping[str, list[dict]], title: str) -> Any:
     line per metric and label (several labels overlay, as in ``rlhf compare``). Drawn without pyplot or a display
     (``Figure`` alone is thread-safe enough for the launcher's watcher thread)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     layout = panels(series.values())
     cols = min(3, max(1, len(layout)))
@@ -88,21 +89,23 @@ def figure(series: Mapping[str, list[dict]], title: str) -> Any:
     fig = Figure(figsize=(4.2 * cols, 2.9 * rows), dpi=90, layout="constrained")
     fig.suptitle(title)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    for ax, (name, keys) in zip(axes, layout):
+    for ax, (heading, keys) in zip(axes, layout):
         for label, history in series.items():
             for key in keys:
                 steps, values = points(history, key)
                 if not steps:
                     continue
-                parts = [p for p in (label if len(series) > 1 else "", key if len(keys) > 1 else "") if p]
+                shown = timing.phase_of(key) or key  # "generation" for timing/generation_s
+                parts = [p for p in (label if len(series) > 1 else "", shown if len(keys) > 1 else "") if p]
                 ax.plot(steps, values, marker="o" if len(steps) <= 40 else None, markersize=3,
                         label=": ".join(parts) or None)  # fmt: skip
-        ax.set_title(name, fontsize=10)
+        ax.set_title(heading, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6, ncols=2 if len(ax.get_lines()) > 6 else 1)
     if not layout:
         axes[0].text(0.5, 0.5, "no steps logged yet", ha="center", va="center")
     for ax in axes[len(layout) or 1 :]:

@@ -8,7 +8,13 @@ import time
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 from prefect.client.schemas.sorting import ArtifactSort
 from prefect.deployments import run_deployment
 from prefect.states import Cancelling
@@ -113,9 +119,11 @@ def test_the_prefect_ui_renders_each_stage_curves(deployed_run, prefect_server):
 
     flow_run, run_dir = deployed_run
     with get_client(sync_client=True) as client:
+        keys = [f"{stage.replace('_', '-')}-curves" for stage in CURVE_STAGES]
         versions = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])),
-            sort=ArtifactSort.CREATED_DESC, limit=500,
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]),
+                                           key=ArtifactFilterKey(any_=keys)),
+            sort=ArtifactSort.CREATED_DESC, limit=200,
         )[::-1]  # fmt: skip
     latest = {a.key: a for a in versions}  # oldest first: the last one of a key is its latest version
     SHOTS.mkdir(parents=True, exist_ok=True)
