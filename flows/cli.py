@@ -8,7 +8,8 @@
 ``--shared-ray`` (run, stage): one Ray for the run's stage jobs, started by the flow (``shared_ray``).
 
 Without PREFECT_API_URL it uses Prefect's temporary local server; with it, the runs appear on that server.
-Progress is the flow's log on the terminal; the summary is printed at the end.
+Progress (``flows.console``): live bars per stage when stdout is a terminal, plain step lines otherwise, above or
+beside the flow's log; the summary is printed at the end.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2) from None
         print(f"report: {report}")
         return
+    from flows.console import StageConsole
     from flows.rlhf_pipeline import rlhf_pipeline, summary_markdown
+    from tasks import progress
 
     try:
         if args.command == "resume":
@@ -86,7 +89,12 @@ def main(argv: list[str] | None = None) -> None:
             args.run_name = args.run_name or Path(args.preset).stem
             extra = {"stages": [args.stage]} if args.command == "stage" else {}
             params = _params(args, shared_ray=args.shared_ray, **extra)
-        summary = rlhf_pipeline(params)
+        with StageConsole() as display:
+            unsubscribe = progress.subscribe(display)
+            try:
+                summary = rlhf_pipeline(params)
+            finally:
+                unsubscribe()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -26,6 +26,7 @@ from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from pydantic import BaseModel, Field
 
 from rlhf_core.config import ConfigError, PipelineConfig, load_config, redact_url, to_yaml
+from tasks import progress
 from tasks._launch import ROOT, kill_all_jobs, shared_ray
 from tasks.stages import RESULTS, RunSpec, existing_refs, open_store, stage_task
 
@@ -145,6 +146,9 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B
                 refs[stage] = state.result()
                 row.update(uri=refs[stage]["uri"], metrics=_key_metrics(refs[stage]["metrics"]))
             rows.append(row)
+            progress.publish({"event": "finished", "stage": stage, "kind": row["kind"], "state": state.name,
+                              "duration_s": row["duration_s"],
+                              "metrics": refs[stage]["metrics"] if state.is_completed() else {}})  # fmt: skip
             logger.info(f"{stage}: {state.name} in {row['duration_s']} s")
             if not state.is_completed():
                 failure = state.result(raise_on_failure=False)

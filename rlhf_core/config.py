@@ -409,6 +409,43 @@ class LoopConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Experiment trackers (rlhf_core.tracking): run-level, outside every stage's config hash
+
+
+@dataclass
+class MLflowConfig:
+    tracking_uri: str | None = opt(
+        None,
+        "MLflow tracking server or store: http(s)://host:5000, file:///path, sqlite:///path.db; null = "
+        "MLFLOW_TRACKING_URI, else ./mlruns. A user:password@ in it is redacted wherever it is logged or saved.",
+    )
+    experiment: str = opt("rlhf-pipeline", "MLflow experiment the stages' runs go to (created when missing).")
+
+
+@dataclass
+class WandbConfig:
+    project: str = required("Weights & Biases project the stages' runs go to.")
+    entity: str | None = opt(None, "W&B team or user; null = the API key's default entity.")
+    mode: Literal["offline", "online"] = opt(
+        "offline",
+        "offline: the runs are written under <run_uri>/wandb/ (upload later with `wandb sync`); online: streamed to "
+        "the server, the API key read from WANDB_API_KEY only.",
+    )
+
+
+@dataclass
+class TrackingConfig:
+    tensorboard: bool = opt(
+        False, "TensorBoard event files under <run_uri>/tensorboard/<stage>/ (tensorboard --logdir <run_uri>)."
+    )
+    mlflow: MLflowConfig | None = opt(None, "One MLflow run per stage; null = off (needs mlflow-skinny).")
+    wandb: WandbConfig | None = opt(None, "One W&B run per stage; null = off (needs wandb).")
+    run_name: str | None = opt(
+        None, "Trackers name each stage's run <run_name>/<stage>; null = the last folder of run_uri."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Stage kinds and the pipeline: a graph of named stage instances
 
 
@@ -503,6 +540,9 @@ class PipelineConfig:
         "dependency graph.",
     )
     loop: LoopConfig = opt(LoopConfig(), "Stages repeated K times (rejection sampling, iterative DPO).")
+    tracking: TrackingConfig = opt(
+        TrackingConfig(), "Experiment trackers every stage logs its steps to; not part of any stage's config hash."
+    )
     # stage instance -> its loop iteration (1..K), for the instances the loop made; not a config key
     iterations: dict[str, int] = field(default_factory=dict, metadata={"internal": True})
 
@@ -653,7 +693,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
-_TOP_LEVEL = ("run_uri", "storage", "stages", "loop")
+_TOP_LEVEL = ("run_uri", "storage", "stages", "loop", "tracking")
 LOOP_POLICY = "loop:policy"
 
 
@@ -850,6 +890,7 @@ def _join(prefix: str, name: str) -> str:
 def validate(cfg: PipelineConfig) -> None:
     if not cfg.run_uri.strip():
         raise ConfigError("'run_uri' is empty: give a local path, file://... or s3://bucket/prefix")
+    _validate_tracking(cfg.tracking)
     for name, spec in cfg.stages.items():
         if spec.kind in ("sft", "reward_model", "dpo", "kto"):
             _validate_training(name, spec.section)
@@ -869,6 +910,19 @@ def validate(cfg: PipelineConfig) -> None:
                 hint = f"did you mean 'stage:{close[0]}'?" if close else f"stages: {', '.join(cfg.stages)}"
                 raise ConfigError(f"'{key}' = stage:{upstream} names no stage of this config; {hint}")
     topological_order(cfg)  # refuses cycles
+
+
+def _validate_tracking(t: TrackingConfig) -> None:
+    """The trackers' values; whether their packages are installed is checked by the job (``tracking.check``)."""
+    if t.mlflow is not None:
+        uri = t.mlflow.tracking_uri
+        _check(uri is None or bool(uri.strip()), "tracking.mlflow.tracking_uri", uri, "give a URI or null")
+        _check(bool(t.mlflow.experiment.strip()), "tracking.mlflow.experiment", t.mlflow.experiment, "give a name")
+    if t.wandb is not None:
+        _check(bool(t.wandb.project.strip()), "tracking.wandb.project", t.wandb.project, "give a project name")
+    if t.run_name is not None:
+        _check(bool(t.run_name.strip()) and "/" not in t.run_name, "tracking.run_name", t.run_name,
+               "give a non-empty name without '/' (or null for the run folder's name)")  # fmt: skip
 
 
 def _validate_training(name: str, stage: Any) -> None:
@@ -1103,6 +1157,12 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+def redact_tracking_uri(uri: str) -> str:
+    """An MLflow tracking URI without a ``user:password@`` (``redact_url``); a URI without one (``sqlite:////abs.db``,
+    which ``redact_url`` would shorten) is kept as it is."""
+    return redact_url(uri) if "@" in uri else uri
+
+
 def to_dict(cfg: Any, redact: bool = True) -> dict:
     """Plain dict of a config (loadable again); credentials are replaced by '***' unless redact=False (storage keys,
     and the user:password@ and query string of a remote reward server's URL)."""
@@ -1110,7 +1170,10 @@ def to_dict(cfg: Any, redact: bool = True) -> dict:
         return dataclasses.asdict(cfg)
     out = {"run_uri": cfg.run_uri, "storage": dataclasses.asdict(cfg.storage)}
     out["stages"] = {name: {"kind": s.kind, **_section_dict(s)} for name, s in cfg.stages.items()}
+    out["tracking"] = dataclasses.asdict(cfg.tracking)
     if redact:
+        if out["tracking"]["mlflow"] and out["tracking"]["mlflow"]["tracking_uri"]:
+            out["tracking"]["mlflow"]["tracking_uri"] = redact_tracking_uri(out["tracking"]["mlflow"]["tracking_uri"])
         for k in _SECRETS:
             if out["storage"].get(k):
                 out["storage"][k] = "***"

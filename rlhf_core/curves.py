@@ -12,10 +12,12 @@ from __future__ import annotations
 import base64
 import io
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rlhf_core import timing
+from rlhf_core.storage import ObjectStore
 
 # Panels in this order, each the metrics drawn together; a panel whose metrics a history lacks is left out.
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -111,6 +113,15 @@ def figure(series: Mapping[str, list[dict]], title: str) -> Any:
     for ax in axes[len(layout) or 1 :]:
         ax.set_visible(False)
     return fig
+
+
+def save_png(store: ObjectStore, stage: str, kind: str, history: list[dict]) -> None:
+    """``<stage>/curves.png`` beside ``metrics.json``. Best effort: a stage that trained must not fail over its
+    figure (one warning line instead)."""
+    try:
+        store.write_bytes(f"{stage}/curves.png", figure_png({stage: history}, f"{stage} ({kind})" if kind else stage))
+    except Exception as e:
+        print(f"warning: [{stage}] curves.png was not written ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
 
 def data_uri(png: bytes) -> str:

@@ -209,9 +209,12 @@ class ObjectStore:
         return self.fs.exists(self._path(rel))
 
     def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes(rel, text.encode("utf-8"))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
         p = self._path(rel)
         self._mkparent(p)
-        self.fs.pipe_file(p, text.encode("utf-8"))
+        self.fs.pipe_file(p, data)
         self.fs.invalidate_cache()
 
     def read_text(self, rel: str) -> str:

@@ -2249,6 +2249,88 @@ RUN_LEVEL: dict[str, Probe] = {
 }
 
 
+def trackers_written(cfg: PipelineConfig, stage: str) -> Any:
+    """rlhf_core.tracking: the sft stage's trackers opened as its rank 0 opens them, one step logged, closed; what
+    each wrote, read back (TensorBoard folders, MLflow runs, the W&B offline run record), the run folder's name
+    written as <run>."""
+    from rlhf_core import tracking
+    from tests.test_tracking import wandb_records
+
+    def run() -> dict:
+        store = common.open_store(cfg)
+        with tracking.Tracker(tracking.spec_for(cfg, "sft", store)) as tracker:
+            tracker.log(1, {"loss": 1.0})
+        root = Path(store.root_uri)
+        folder = root.name
+
+        def plain(name: str) -> str:
+            return name.replace(folder, "<run>")
+
+        out: dict[str, Any] = {"tensorboard": sorted(p.name for p in (root / "tensorboard").glob("*"))}
+        if cfg.tracking.mlflow is not None:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=cfg.tracking.mlflow.tracking_uri)
+            exp = client.get_experiment_by_name(cfg.tracking.mlflow.experiment)
+            runs = client.search_runs([exp.experiment_id]) if exp is not None else []
+            mine = [r for r in runs if r.data.tags.get("rlhf.run_uri") == store.root_uri]
+            out["mlflow"] = (cfg.tracking.mlflow.tracking_uri.rsplit("/", 1)[-1], exp.name if exp else None,
+                             [(plain(r.info.run_name), r.info.status, r.data.metrics) for r in mine])  # fmt: skip
+        for run_file in (root / "wandb").glob("offline-run-*/run-*.wandb"):
+            for record in wandb_records(run_file):
+                if record.HasField("run"):
+                    r = record.run
+                    out["wandb"] = (r.project, r.entity, plain(r.display_name))
+        return out
+
+    return outcome(run)
+
+
+TRACKING: dict[str, Probe] = {
+    "tracking.tensorboard": probe(
+        "tracking.tensorboard=true",
+        observe=trackers_written,
+        expect=lambda a, b: (a["tensorboard"], b["tensorboard"]) == ([], ["sft"]),
+    ),
+    "tracking.mlflow.tracking_uri": probe(
+        "tracking.mlflow.tracking_uri=sqlite:///{tmp}/mlflow-b.db",
+        observe=trackers_written,
+        base=("tracking.mlflow.tracking_uri=sqlite:///{tmp}/mlflow-a.db",),
+        expect=lambda a, b: (a["mlflow"][0], b["mlflow"][0]) == ("mlflow-a.db", "mlflow-b.db"),
+    ),
+    "tracking.mlflow.experiment": probe(
+        "tracking.mlflow.experiment=probe-b",
+        observe=trackers_written,
+        base=("tracking.mlflow.tracking_uri=sqlite:///{tmp}/mlflow-a.db",),
+        expect=lambda a, b: b["mlflow"][1:] == ("probe-b", [("<run>/sft", "FINISHED", {"loss": 1.0})]),
+    ),
+    "tracking.run_name": probe(
+        "tracking.run_name=probe",
+        observe=trackers_written,
+        base=("tracking.tensorboard=true", "tracking.mlflow.tracking_uri=sqlite:///{tmp}/mlflow-a.db"),
+        expect=lambda a, b: (a["mlflow"][2][0][0], b["mlflow"][2][0][0]) == ("<run>/sft", "probe/sft"),
+    ),
+    "tracking.wandb.project": probe(
+        "tracking.wandb.project=probe-b",
+        observe=trackers_written,
+        base=("tracking.wandb.project=probe-a",),
+        expect=lambda a, b: (a["wandb"], b["wandb"]) == (("probe-a", "", "<run>/sft"), ("probe-b", "", "<run>/sft")),
+    ),
+    "tracking.wandb.entity": probe(
+        "tracking.wandb.entity=probe-team",
+        observe=trackers_written,
+        base=("tracking.wandb.project=probe-a",),
+        expect=lambda a, b: b["wandb"] == ("probe-a", "probe-team", "<run>/sft"),
+    ),
+    "tracking.wandb.mode": probe(  # online needs WANDB_API_KEY, which the tests never have: refused before any run
+        "tracking.wandb.mode=online",
+        observe=trackers_written,
+        base=("tracking.wandb.project=probe-a",),
+        expect=lambda a, b: "wandb" in a and b == ("raised", "ConfigError"),
+    ),
+}
+
+
 def _section(kind: str, probes: dict[str, Probe], base: tuple[str, ...] = ()) -> dict[str, Probe]:
     """The probes of a kind's keys, on the preset of its stage (KIND_HOMES; the tiny one by default)."""
     home = KIND_HOMES.get(kind, TINY)
@@ -2279,6 +2361,7 @@ EFFECTS: dict[str, Probe] = {
     ),
     **_section("score", SCORE_SECTION),
     **LOOP_SECTION,
+    **TRACKING,
 }
 
 
@@ -2322,7 +2405,8 @@ def paths(tmp_path_factory) -> Iterator[dict[str, str]]:
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-                 "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", events.EVENTS_ENV):  # fmt: skip
+                 "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", events.EVENTS_ENV,
+                 "WANDB_API_KEY"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RLHF_WORK_DIR", str(tmp_path / "work"))
 

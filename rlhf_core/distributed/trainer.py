@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlhf_core import events
+from rlhf_core import curves, events
 from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
 from rlhf_core.distributed import device
@@ -31,6 +31,7 @@ from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
 from rlhf_core.storage import ObjectStore
+from rlhf_core.tracking import Tracker, TrackingSpec
 
 
 @dataclass
@@ -52,6 +53,8 @@ class StageContext:
     upstream: dict = field(default_factory=dict)
     trust_remote_code: bool = False  # <stage>.model.trust_remote_code: custom modelling code of the model directory
     job_started: float | None = None  # epoch seconds the job's process started (rlhf_core.timing): startup_s
+    kind: str = ""  # the stage's kind (sft, reward_model, dpo, kto): the curves' title
+    tracking: TrackingSpec | None = None  # the experiment trackers rank 0 logs to (rlhf_core.tracking)
 
 
 class StageImpl(Protocol):
@@ -116,57 +119,67 @@ class SupervisedTrainer:
             state = self._load_checkpoint(engine, found[1])
             resumed_from = state["step"]
             self._log(f"resumed from {self.store.uri(found[1])} at step {state['step']}")
+            if strategy.rank == 0:
+                events.resumed(ctx.stage, state["step"])
 
         # 3. train: step k consumes stream items [k*B, (k+1)*B), this rank its slice of them
         startup_s = None if ctx.job_started is None else time.time() - ctx.job_started
         if startup_s is not None:
             self._log(f"first step {startup_s:.1f}s after the job started")
         history = []
-        for step in range(state["step"], steps):
-            started = time.time()
-            indices = rank_slice(global_batch(n, t.train_batch_size, step, t.seed), strategy.rank, strategy.world_size)
-            sums: dict[str, float] = {}
-            for lo in range(0, len(indices), t.micro_train_batch_size):
-                micro = [self.train_examples[i] for i in indices[lo : lo + t.micro_train_batch_size]]
-                loss, metrics = self.impl.loss(engine, self._batch(micro, pad_id))
-                engine.backward(loss)
-                engine.step()
-                for k, v in {"loss": loss.item(), **metrics}.items():
-                    sums[k] = sums.get(k, 0.0) + v / strategy.accumulation_steps
-            logs = {k: strategy.all_reduce_mean(v) for k, v in sums.items()}
-            state["step"], state["consumed_samples"] = step + 1, (step + 1) * t.train_batch_size
-            if state["first_loss"] is None:
-                state["first_loss"] = logs["loss"]
-            history.append({"step": step + 1, **logs})
-            if (step + 1) % t.log_steps == 0 or step + 1 == steps or step == 0:
-                lr = engine.get_lr()[0]
-                shown = " ".join(f"{k}={v:.4f}" for k, v in logs.items())
-                self._log(f"step {step + 1}/{steps} {shown} lr={lr:.2e} ({time.time() - started:.2f}s)")
-                if strategy.rank == 0:
-                    events.step(ctx.stage, step + 1, steps, {**logs, "lr": lr})
-            if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < steps:
-                self._save_checkpoint(engine, state)
-                if ctx.fail_after_step is not None and step + 1 >= ctx.fail_after_step:
-                    raise RuntimeError(f"injected failure after checkpoint at step {step + 1} (RLHF_FAIL_AFTER_STEP)")
+        # rank 0's trackers (TensorBoard, MLflow, W&B), closed as failed when the stage raises
+        with Tracker(ctx.tracking if strategy.rank == 0 else None) as tracker:
+            for step in range(state["step"], steps):
+                started = time.time()
+                indices = rank_slice(
+                    global_batch(n, t.train_batch_size, step, t.seed), strategy.rank, strategy.world_size
+                )
+                sums: dict[str, float] = {}
+                for lo in range(0, len(indices), t.micro_train_batch_size):
+                    micro = [self.train_examples[i] for i in indices[lo : lo + t.micro_train_batch_size]]
+                    loss, metrics = self.impl.loss(engine, self._batch(micro, pad_id))
+                    engine.backward(loss)
+                    engine.step()
+                    for k, v in {"loss": loss.item(), **metrics}.items():
+                        sums[k] = sums.get(k, 0.0) + v / strategy.accumulation_steps
+                logs = {k: strategy.all_reduce_mean(v) for k, v in sums.items()}
+                state["step"], state["consumed_samples"] = step + 1, (step + 1) * t.train_batch_size
+                if state["first_loss"] is None:
+                    state["first_loss"] = logs["loss"]
+                history.append({"step": step + 1, **logs})
+                if (step + 1) % t.log_steps == 0 or step + 1 == steps or step == 0:
+                    lr = engine.get_lr()[0]
+                    shown = " ".join(f"{k}={v:.4f}" for k, v in logs.items())
+                    self._log(f"step {step + 1}/{steps} {shown} lr={lr:.2e} ({time.time() - started:.2f}s)")
+                    if strategy.rank == 0:
+                        events.step(ctx.stage, step + 1, steps, {**logs, "lr": lr})
+                        tracker.log(step + 1, {**logs, "lr": lr})
+                if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < steps:
+                    self._save_checkpoint(engine, state)
+                    if ctx.fail_after_step is not None and step + 1 >= ctx.fail_after_step:
+                        raise RuntimeError(
+                            f"injected failure after checkpoint at step {step + 1} (RLHF_FAIL_AFTER_STEP)"
+                        )
 
-        # 4. evaluate and export in Hugging Face format, manifest last
-        metrics = {
-            "steps": steps,
-            "train_samples": n,
-            "resumed_from_step": resumed_from,
-            "loss_start": state["first_loss"],
-            "loss_end": history[-1]["loss"] if history else None,
-        }
-        if startup_s is not None:
-            metrics["startup_s"] = startup_s  # job start -> first step (rank 0's clock)
-        if self.eval_examples:
-            chunks = range(0, len(self.eval_examples), t.eval_batch_size)
-            batches = (self._batch(self.eval_examples[lo : lo + t.eval_batch_size], pad_id) for lo in chunks)
-            metrics.update(self.impl.evaluate(engine, batches))
-        weights = strategy.full_state_dict(engine)
-        if strategy.rank == 0:
-            self._export(engine.module, weights, tokenizer, metrics)
-            self.store.write_json(f"{ctx.stage}/metrics.json", {"history": history, "final": metrics})
+            # 4. evaluate and export in Hugging Face format, manifest last
+            metrics = {
+                "steps": steps,
+                "train_samples": n,
+                "resumed_from_step": resumed_from,
+                "loss_start": state["first_loss"],
+                "loss_end": history[-1]["loss"] if history else None,
+            }
+            if startup_s is not None:
+                metrics["startup_s"] = startup_s  # job start -> first step (rank 0's clock)
+            if self.eval_examples:
+                chunks = range(0, len(self.eval_examples), t.eval_batch_size)
+                batches = (self._batch(self.eval_examples[lo : lo + t.eval_batch_size], pad_id) for lo in chunks)
+                metrics.update(self.impl.evaluate(engine, batches))
+            weights = strategy.full_state_dict(engine)
+            if strategy.rank == 0:
+                self._export(engine.module, weights, tokenizer, metrics)
+                self.store.write_json(f"{ctx.stage}/metrics.json", {"history": history, "final": metrics})
+                curves.save_png(self.store, ctx.stage, ctx.kind, history)
         strategy.barrier()
         shutil.rmtree(self.work, ignore_errors=True)
         return metrics

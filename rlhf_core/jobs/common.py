@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from rlhf_core import events, timing
+from rlhf_core import events, timing, tracking
 from rlhf_core.config import (
     STAGE_PREFIX,
     ConfigError,
@@ -320,6 +320,8 @@ class StageSetup:
     config_hash: str
     done: CheckpointRef | None
     sources: dict[str, ModelSource] = field(default_factory=dict)
+    kind: str = ""
+    tracking: tracking.TrackingSpec | None = None  # the run's experiment trackers for this stage (None: none on)
 
     @property
     def model_path(self) -> str:
@@ -333,6 +335,7 @@ class StageSetup:
             init_seed=s.model.init_seed, trust_remote_code=s.model.trust_remote_code, strategy=s.strategy,
             optim=s.optim, train=s.train, work_dir=self.work,
             fail_after_step=fail_after_step(), upstream=self.upstream, job_started=timing.job_started(),
+            kind=self.kind, tracking=self.tracking,
         )  # fmt: skip
 
 
@@ -346,6 +349,7 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     section = cfg.stage(stage)
     models = {"model": section.model} if models is None else models
     store = open_store(cfg)
+    tracked = tracking.spec_for(cfg, stage, store)  # refuses a tracker whose package is missing, before any worker
     keys = {role: f"{stage}.{role}.name_or_path" for role in models}
     upstream: dict[str, str] = {}
     for role, model in models.items():
@@ -371,7 +375,9 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
             )
     paths = {role: fetched[model.name_or_path][0] for role, model in models.items()}
     sources = {role: fetched[model.name_or_path][1] for role, model in models.items()}
-    return StageSetup(stage, section, store, work, paths, upstream, config_hash, None, sources)
+    return StageSetup(
+        stage, section, store, work, paths, upstream, config_hash, None, sources, cfg.kind(stage), tracked
+    )
 
 
 def is_data_key(key: str) -> bool:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core import events, timing
+from rlhf_core import curves, events, timing
 from rlhf_core.algos.advantages import cumulative_returns, shape_scores, varied_groups
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience
@@ -93,6 +93,7 @@ from rlhf_core.jobs import common
 from rlhf_core.models.builders import BUILTIN_PREFIX, load_tokenizer
 from rlhf_core.rewards import RemoteRewardModel, call_reward_fn_with_mask, load_reward_fn
 from rlhf_core.storage import ObjectStore
+from rlhf_core.tracking import Tracker
 from rlhf_core.types import CheckpointRef
 
 KIND = "ppo"
@@ -337,6 +338,7 @@ class PPOController:
         self.placement: dict[str, Any] = {}
         self.placement_groups: list[Any] = []
         self.started_ray = False
+        self.tracker = Tracker(None)  # run() opens the stage's trackers around fit()
 
     @property
     def roles(self) -> dict[str, int]:
@@ -760,6 +762,7 @@ class PPOController:
         if found is not None:
             state = self.load_checkpoint(found[1])
             print(f"[{stage}] resumed from {self.store.uri(found[1])} at step {state['step']}", flush=True)
+            events.resumed(stage, state["step"])
             if self.train_actor:
                 self.push_weights()  # the engines start from the initial policy: give them the checkpointed one
         resumed_from = state["step"]
@@ -823,6 +826,7 @@ class PPOController:
                 seconds = step_timing[timing.STEP_KEY]
                 print(f"[{stage}] step {step + 1}/{self.steps} {_fmt(logs)} ({seconds:.1f}s)", flush=True)
                 events.step(stage, step + 1, self.steps, logs)
+                self.tracker.log(step + 1, logs)
             if checkpoint and fail_after is not None and step + 1 >= fail_after:
                 raise RuntimeError(f"injected failure after checkpoint at step {step + 1} (RLHF_FAIL_AFTER_STEP)")
 
@@ -908,10 +912,11 @@ def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> Che
     # 2. data and checks, before any Ray actor starts
     controller = PPOController(stage, p, st, train_actor)
 
-    # 3. roles, the loop, outputs
+    # 3. roles, the loop (its steps also to the experiment trackers, closed as failed when the stage raises), outputs
     try:
-        controller.start()
-        metrics = controller.fit()
+        with Tracker(st.tracking) as controller.tracker:
+            controller.start()
+            metrics = controller.fit()
         extra = {"upstream": upstream}
         assert controller.actor is not None
         if train_actor and p.train.save_critic and controller.critic is not None:
@@ -921,6 +926,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> Che
             {"history": controller.history, "final": metrics, "roles": controller.roles,
              "placement": controller.placement},
         )  # fmt: skip
+        curves.save_png(store, stage, cfg.kind(stage), controller.history)
         if train_actor:
             controller.actor.call(PolicyActor.export, stage, config_hash, metrics, extra)
         else:
