@@ -97,7 +97,8 @@ def test_report_has_the_differing_keys_overlay_images_and_final_metrics(two_runs
         assert height >= 200 and width >= 300 and channels in (3, 4)
 
 
-def test_each_stage_image_overlays_every_run_that_has_the_stage(two_runs, tmp_path, monkeypatch):
+def record_figures(monkeypatch) -> dict:
+    """{figure title: {label: history}} of every figure the report draws (each still drawn for real)."""
     drawn = {}
     real = compare.curves.figure_png
 
@@ -106,6 +107,11 @@ def test_each_stage_image_overlays_every_run_that_has_the_stage(two_runs, tmp_pa
         return real(series, title)
 
     monkeypatch.setattr(compare.curves, "figure_png", record)
+    return drawn
+
+
+def test_each_stage_image_overlays_every_run_that_has_the_stage(two_runs, tmp_path, monkeypatch):
+    drawn = record_figures(monkeypatch)
     report = compare.compare_report([str(p) for p in two_runs], str(tmp_path / "out"))
     assert drawn == {
         "sft: a vs b": {"a": sft_history(2.0), "b": sft_history(1.0)},

@@ -13,6 +13,7 @@ from flows.cli import main
 from flows.compare import ARTIFACT_KEY, compare_runs
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
 from rlhf_core import compare
+from tests.test_compare import record_figures, section, table
 
 pytestmark = pytest.mark.slow
 
@@ -35,26 +36,9 @@ def two_runs(prefect_server, tmp_path_factory):
     return folders
 
 
-def section(text, title):
-    body = text.split(f"\n## {title}\n", 1)[1]
-    return body.split("\n## ", 1)[0].strip().splitlines()
-
-
-def table(lines):
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("|")]
-    return {row[0]: row[1:] for row in rows if not row[0].startswith("---")}
-
-
 def test_compare_overlays_two_real_runs(two_runs, tmp_path, monkeypatch, capsys):
     low, high = two_runs
-    drawn = {}
-    real = compare.curves.figure_png
-
-    def record(series, title):
-        drawn[title] = dict(series)
-        return real(series, title)
-
-    monkeypatch.setattr(compare.curves, "figure_png", record)
+    drawn = record_figures(monkeypatch)
     out = tmp_path / "report"
     main(["compare", str(low), str(high), "--out", str(out)])
     assert capsys.readouterr().out.strip().endswith(f"report: {out}/compare.md")
