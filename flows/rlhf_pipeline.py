@@ -141,10 +141,12 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B
                 "kind": cfg.kind(stage),
                 "state": state.name,
                 "duration_s": round(time.time() - started, 1),
+                "attempts": _attempts(state),
             }
             if state.is_completed():
                 refs[stage] = state.result()
                 row.update(uri=refs[stage]["uri"], metrics=_key_metrics(refs[stage]["metrics"]))
+            row["notes"] = stage_notes(row)
             rows.append(row)
             progress.publish({"event": "finished", "stage": stage, "kind": row["kind"], "state": state.name,
                               "duration_s": row["duration_s"],
@@ -167,6 +169,30 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B
     if failure is not None:
         raise failure if isinstance(failure, BaseException) else RuntimeError(str(failure))
     return summary
+
+
+def _attempts(state: Any) -> int:
+    """How many times the task ran (1, or more after retries; 0 for a result found by its cache key)."""
+    from prefect.client.orchestration import get_client
+
+    task_run_id = state.state_details.task_run_id
+    if task_run_id is None:
+        return 1
+    with get_client(sync_client=True) as client:
+        return client.read_task_run(task_run_id).run_count
+
+
+def stage_notes(row: dict) -> str:
+    """What the state name alone does not say at a glance: a retry, a resume, a stage that did not run."""
+    notes = []
+    if row["state"] == "Cached":
+        notes.append("not run: output committed for this config")
+    if row.get("attempts", 1) > 1:
+        notes.append(f"attempt {row['attempts']} (retried)")
+    resumed = row.get("metrics", {}).get("resumed_from_step")
+    if resumed and row["state"] != "Cached":
+        notes.append(f"resumed from step {int(resumed)}")
+    return ", ".join(notes)
 
 
 def _local_config(cfg: PipelineConfig, run_name: str) -> str:
@@ -211,12 +237,13 @@ def _key_metrics(metrics: dict) -> dict:
 
 def summary_markdown(summary: dict) -> str:
     lines = [f"# RLHF run `{summary['run_name']}`: {summary['state']}", "", f"Artifacts: `{summary['run_uri']}`", "",
-             "| stage | state | duration (s) | key metrics | model |", "|---|---|---|---|---|"]  # fmt: skip
+             "| stage | state | notes | duration (s) | key metrics | model |", "|---" * 6 + "|"]  # fmt: skip
     for row in summary["stages"]:
         metrics = ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.get("metrics", {}).items()
         )
-        lines.append(f"| {row['stage']} | {row['state']} | {row['duration_s']} | {metrics} | `{row.get('uri', '')}` |")
+        lines.append(f"| {row['stage']} | {row['state']} | {row.get('notes', '')} | {row['duration_s']} | {metrics} | "
+                     f"`{row.get('uri', '')}` |")  # fmt: skip
     if summary.get("iterations"):
         columns = sorted({k for row in summary["iterations"] for k in row if k != "iteration"})
         lines += ["", "Gold reward per iteration:", "", "| iteration | " + " | ".join(columns) + " |",

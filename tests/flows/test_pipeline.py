@@ -20,7 +20,7 @@ from prefect.deployments import run_deployment
 from prefect.states import Cancelling
 
 from deployments.deploy import deploy
-from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
+from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline, summary_markdown
 from rlhf_core.jobs.ppo import SEQUENTIAL_PHASES
 from tasks._launch import ROOT
 
@@ -270,7 +270,12 @@ def test_a_task_retry_resumes_ppo_from_its_checkpoint(failed_then_resumed, tmp_p
                                                       "task_retries": 1, "overrides": overrides}))  # fmt: skip
     assert states(summary)["ppo"] == "Completed"
     assert launches(run_dir).count("ppo") == 2  # the failed attempt and its retry
-    assert [r for r in summary["stages"] if r["stage"] == "ppo"][0]["metrics"]["resumed_from_step"] == 2
+    ppo = [r for r in summary["stages"] if r["stage"] == "ppo"][0]
+    assert ppo["metrics"]["resumed_from_step"] == 2
+    # at a glance in the summary artifact: retried, resumed; the upstream stages not run
+    assert ppo["attempts"] == 2 and ppo["notes"] == "attempt 2 (retried), resumed from step 2"
+    assert "| ppo | Completed | attempt 2 (retried), resumed from step 2 |" in summary_markdown(summary)
+    assert "| sft | Cached | not run: output committed for this config |" in summary_markdown(summary)
 
 
 def test_two_instances_of_one_kind_are_two_cached_tasks(prefect_server, tmp_path):
