@@ -198,7 +198,8 @@ def launch_stage(
     ``resumed``) as the job writes them, in the launcher's watcher thread."""
     events_file = Path(tempfile.mkstemp(prefix=f"{stage}-events-", suffix=".jsonl")[1])
     cmd = [sys.executable, "-m", module, "--config", config_path, "--stage", stage]
-    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
+    # RAY_COLOR_PREFIX=0: the workers' lines reach the run log and the terminal without ANSI colour codes
+    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0",
                  "HF_HUB_DISABLE_PROGRESS_BARS": "1", EVENTS_ENV: str(events_file),
                  ORCHESTRATOR_ENV: str(os.getpid())}  # fmt: skip
     proc = subprocess.Popen(
