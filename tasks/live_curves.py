@@ -3,8 +3,10 @@ job runs and drawn once more, from the job's complete ``metrics.json``, when it 
 
 The job's ``step`` events reach the launcher's watcher thread; each one adds a point. The artifact (markdown with
 the figure inline, ``<stage>-curves``) is created again, as a new version of the same key, once two steps are
-logged and then at most every ``RLHF_CURVES_EVERY_S`` seconds (default 10: drawing takes a fraction of a second,
-each version is a row in Prefect's database). Every version stays readable in the UI's artifact history.
+logged and then at most every ``RLHF_CURVES_EVERY_S`` seconds (default 10; drawing takes a second or two here),
+except at the last step, whose picture is the final version's.
+Each new live version deletes the one before it, so a long stage keeps two versions of ~100 KB in Prefect's
+database, not thousands: the newest live one and, once the stage has ended, the final one.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import contextvars
 import os
 import sys
 import time
+from typing import Any
 
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
 
 from rlhf_core import curves
 from rlhf_core.storage import ObjectStore
@@ -33,6 +37,7 @@ class LiveCurves:
         self.history: list[dict] = []
         self.total: int | None = None
         self.drawn_at: float | None = None
+        self.live_id: Any = None  # the newest live version, deleted when the next one replaces it
         # The watcher thread has no Prefect run context; artifacts made there must still belong to this task run.
         self._context = contextvars.copy_context()
 
@@ -40,7 +45,8 @@ class LiveCurves:
         self.history.append({"step": int(event["step"]), **(event.get("metrics") or {})})
         self.total = int(event["total"])
         due = self.drawn_at is None or time.monotonic() - self.drawn_at >= self.every_s
-        if len(self.history) >= 2 and due:
+        last = self.history[-1]["step"] >= self.total  # the final version follows when the job ends
+        if len(self.history) >= 2 and due and not last:
             self._context.run(self._publish, self.history, "running")
 
     def finish(self, store: ObjectStore, failed: bool = False) -> None:
@@ -57,5 +63,19 @@ class LiveCurves:
 
     def _publish(self, history: list[dict], status: str) -> None:
         markdown = curves.stage_markdown(self.stage, self.kind, history, self.total, status)
-        create_markdown_artifact(markdown, key=self.key, description=f"{self.stage} ({self.kind}): training curves")
+        description = f"{self.stage} ({self.kind}): training curves"
+        new = create_markdown_artifact(markdown, key=self.key, description=description)
         self.drawn_at = time.monotonic()
+        if status != "running":
+            return  # the last live version stays beside the final one
+        replaced, self.live_id = self.live_id, new
+        if replaced is not None:
+            try:
+                delete_artifact(replaced)
+            except Exception as e:  # an extra version is harmless
+                print(f"warning: an old version of the {self.stage} curves was not deleted ({e!r})", file=sys.stderr)
+
+
+def delete_artifact(artifact_id: Any) -> None:
+    with get_client(sync_client=True) as client:
+        client.delete_artifact(artifact_id)

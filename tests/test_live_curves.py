@@ -8,12 +8,24 @@ from rlhf_core.storage import ObjectStore
 from tasks import live_curves
 
 
+class Versions(list):
+    """The (key, markdown) of each artifact version created, its id its index; ``deleted``: the ids deleted."""
+
+    def __init__(self):
+        super().__init__()
+        self.deleted: list[int] = []
+
+    def create(self, markdown, key, description):
+        self.append((key, markdown))
+        return len(self) - 1
+
+
 @pytest.fixture
 def published(monkeypatch):
-    calls = []
-    monkeypatch.setattr(live_curves, "create_markdown_artifact", lambda markdown, key, description: calls.append(
-        (key, markdown)))  # fmt: skip
-    return calls
+    versions = Versions()
+    monkeypatch.setattr(live_curves, "create_markdown_artifact", versions.create)
+    monkeypatch.setattr(live_curves, "delete_artifact", versions.deleted.append)
+    return versions
 
 
 def step(k: int, total: int = 6) -> dict:
@@ -30,6 +42,17 @@ def test_drawn_once_two_steps_are_logged_then_at_most_every_interval(published):
     for k in (1, 2, 3):
         eager.add(step(k))
     assert len(published) == 3 and "last step 3 of 6" in published[-1][1]
+
+
+def test_a_long_stage_keeps_only_its_newest_live_version_and_the_final_one(published, tmp_path):
+    live = live_curves.LiveCurves("ppo", "ppo", "ppo", every_s=0)
+    for k in (1, 2, 3, 4):
+        live.add(step(k))  # live versions 0, 1, 2 (steps 2, 3, 4)
+    live.finish(ObjectStore(str(tmp_path)))  # final version 3, from the logged steps (no metrics.json here)
+    assert published.deleted == [0, 1]  # each live version replaced by the next; the last stays beside the final
+    assert "**final**" in published[3][1]
+    live.add(step(6))  # the last step: not drawn live, the final version is drawn when the job ends
+    assert len(published) == 4
 
 
 def test_the_interval_comes_from_the_environment(monkeypatch):
