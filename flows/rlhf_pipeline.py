@@ -178,8 +178,11 @@ def _attempts(state: Any) -> int:
     task_run_id = state.state_details.task_run_id
     if task_run_id is None:
         return 1
-    with get_client(sync_client=True) as client:
-        return client.read_task_run(task_run_id).run_count
+    try:
+        with get_client(sync_client=True) as client:
+            return client.read_task_run(task_run_id).run_count
+    except Exception:  # the summary's note only: never fail the run over it
+        return 1
 
 
 def stage_notes(row: dict) -> str:

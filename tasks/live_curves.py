@@ -38,6 +38,7 @@ class LiveCurves:
         self.total: int | None = None
         self.drawn_at: float | None = None
         self.live_id: Any = None  # the newest live version, deleted when the next one replaces it
+        self.stopped = False  # a live drawing failed: no more until the final version
         # The watcher thread has no Prefect run context; artifacts made there must still belong to this task run.
         self._context = contextvars.copy_context()
 
@@ -46,8 +47,12 @@ class LiveCurves:
         self.total = int(event["total"])
         due = self.drawn_at is None or time.monotonic() - self.drawn_at >= self.every_s
         last = self.history[-1]["step"] >= self.total  # the final version follows when the job ends
-        if len(self.history) >= 2 and due and not last:
-            self._context.run(self._publish, self.history, "running")
+        if len(self.history) >= 2 and due and not last and not self.stopped:
+            try:
+                self._context.run(self._publish, self.history, "running")
+            except Exception as e:  # the progress bar and the terminal display go on without live curves
+                print(f"warning: the {self.stage} curves are no longer drawn live ({e!r})", file=sys.stderr)
+                self.stopped = True
 
     def finish(self, store: ObjectStore, failed: bool = False) -> None:
         """The last version: after a completed job from its own record of every step (it also holds the steps

@@ -55,6 +55,17 @@ def test_a_long_stage_keeps_only_its_newest_live_version_and_the_final_one(publi
     assert len(published) == 4
 
 
+def test_a_live_drawing_that_fails_stops_live_drawing_without_raising(monkeypatch, capsys):
+    def down(markdown, key, description):
+        raise ConnectionError("the Prefect API is down")
+
+    monkeypatch.setattr(live_curves, "create_markdown_artifact", down)
+    live = live_curves.LiveCurves("ppo", "ppo", "ppo", every_s=0)
+    for k in (1, 2, 3):
+        live.add(step(k))  # must not raise: the caller also moves the progress bar and the terminal display
+    assert capsys.readouterr().err.count("no longer drawn live") == 1
+
+
 def test_the_interval_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(live_curves.EVERY_ENV, "2.5")
     assert live_curves.LiveCurves("ppo", "ppo", "ppo").every_s == 2.5
