@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import yaml
 
 from rlhf_core import curves
-from rlhf_core.config import ConfigError
-from rlhf_core.storage import ObjectStore, one_line, storage_options_for
+from rlhf_core.config import ConfigError, flatten
+from rlhf_core.storage import ObjectStore, StorageError, one_line, storage_options_for
 
 REPORT_NAME = "compare.md"
 # Always different between two runs and shown as the run's location already: left out of the config table.
@@ -128,16 +127,6 @@ def load_run(arg: str, runs_root: str | Path = "runs") -> RunData:
             raise ConfigError(f"{arg!r}: {uri}/{stage}/metrics.json is not valid JSON ({e})") from None
         run.stages[stage] = {"history": list(metrics.get("history") or []), "final": dict(metrics.get("final") or {})}
     return run
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys of a nested mapping: ``{"optim": {"lr": 1e-4}}`` -> ``{"optim.lr": 1e-4}``."""
-    if isinstance(tree, dict) and tree:
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: tree} if prefix else {}
 
 
 def config_keys(tree: dict) -> dict[str, Any]:
@@ -248,12 +237,11 @@ def write_report(out: str, markdown: str, images: dict[str, bytes]) -> str:
     """``<out>/compare.md`` and ``<out>/<stage>.png`` (a local folder, created, or a URI); the report's path."""
     out = out.rstrip("/")
     try:
-        fs, root = fsspec.core.url_to_fs(out, **storage_options_for(out))
-        fs.makedirs(root, exist_ok=True)
+        store = ObjectStore(out, storage_options_for(out))
         for stage, png in images.items():
-            fs.pipe_file(f"{root}/{stage}.png", png)
-        fs.pipe_file(f"{root}/{REPORT_NAME}", markdown.encode())
-    except OSError as e:  # an existing file, no permission, an unreachable store: the user's --out to fix
+            store.write_bytes(f"{stage}.png", png)
+        store.write_text(REPORT_NAME, markdown)
+    except (OSError, StorageError) as e:  # an existing file, no permission, an unreachable store: --out to fix
         raise ConfigError(f"cannot write the report to {out!r} ({one_line(f'{type(e).__name__}: {e}')})") from None
     return f"{out}/{REPORT_NAME}"
 

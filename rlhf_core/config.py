@@ -785,6 +785,17 @@ def _unalias(node: Any) -> Any:
     return node
 
 
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a nested mapping, the inverse of ``_set_dotted``: ``{"optim": {"lr": 1e-4}}`` ->
+    ``{"optim.lr": 1e-4}`` (an empty mapping is a value of its own)."""
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: tree} if prefix else {}
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree

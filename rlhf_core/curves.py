@@ -39,7 +39,8 @@ MAX_PANELS = 12
 TIMING_PANEL = "step phases (s)"
 
 
-def _numeric(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A finite int or float (a bool, a list or NaN is not a metric to draw or log)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -49,7 +50,7 @@ def panels(histories: Iterable[list[dict]]) -> list[tuple[str, list[str]]]:
     keys: dict[str, None] = {}
     for history in histories:
         for entry in history:
-            keys.update({k: None for k, v in entry.items() if _numeric(v)})
+            keys.update({k: None for k, v in entry.items() if is_number(v)})
     out: list[tuple[str, list[str]]] = []
     used: set[str] = set(SKIP)
     for title, names in GROUPS:
@@ -67,7 +68,7 @@ def panels(histories: Iterable[list[dict]]) -> list[tuple[str, list[str]]]:
 
 def points(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     """The (steps, values) of ``key`` in a history, entries without a finite value left out."""
-    pairs = [(int(e["step"]), float(e[key])) for e in history if "step" in e and _numeric(e.get(key))]
+    pairs = [(int(e["step"]), float(e[key])) for e in history if "step" in e and is_number(e.get(key))]
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
@@ -153,6 +154,6 @@ def stage_markdown(stage: str, kind: str, history: list[dict], total: int | None
         lines += [f"Last {len(shown)} logged steps:", "", "| step | " + " | ".join(keys) + " |",
                   "|---" * (len(keys) + 1) + "|"]  # fmt: skip
         for e in shown:
-            cells = [f"{e[k]:.4g}" if _numeric(e.get(k)) else "" for k in keys]
+            cells = [f"{e[k]:.4g}" if is_number(e.get(k)) else "" for k in keys]
             lines.append(f"| {e.get('step', '')} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

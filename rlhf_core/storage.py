@@ -180,6 +180,11 @@ class ObjectStore:
     def __repr__(self) -> str:
         return f"ObjectStore({self.root_uri!r})"
 
+    @property
+    def local_root(self) -> Path | None:
+        """The root as a folder of this machine; None for an object store (``s3://``, ``memory://``)."""
+        return Path(self._root) if self._is_local else None
+
     def check(self, *, timeout_s: float = 10.0, what: str = "run_uri") -> None:
         """``check_location`` of this store's root: refuse (``StorageError``) a root the run cannot use."""
         check_location(self.root_uri, self._storage_options, timeout_s=timeout_s, what=what)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 import os
 import shutil
 import sys
@@ -35,7 +34,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rlhf_core.config import ConfigError, PipelineConfig, TrackingConfig, redact_tracking_uri, to_dict
+from rlhf_core import curves
+from rlhf_core.config import ConfigError, PipelineConfig, TrackingConfig, flatten, redact_tracking_uri, to_dict
 from rlhf_core.storage import ObjectStore, one_line, redact
 
 # config key -> (module imported, pip package)
@@ -92,20 +92,9 @@ def spec_for(cfg: PipelineConfig, stage: str, store: ObjectStore) -> TrackingSpe
     run_name = t.run_name or cfg.run_uri.rstrip("/").rsplit("/", 1)[-1] or "run"
     section = to_dict(cfg)["stages"][stage]  # remote_rm_url without credentials
     secrets = [cfg.storage.key, cfg.storage.secret, *_env_secrets()]
-    params = {k: redact(str(v), secrets) for k, v in _flatten(section).items()}
+    params = {k: redact(str(v), secrets) for k, v in flatten(section).items()}
     return TrackingSpec(t, stage, cfg.kind(stage), store.root_uri, store.fs.storage_options, f"{run_name}/{stage}",
                         params)  # fmt: skip
-
-
-def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
-    return out
 
 
 def _env_secrets() -> list[str | None]:
@@ -120,7 +109,7 @@ def numeric(metrics: dict[str, Any]) -> dict[str, float]:
     for k, v in metrics.items():
         if hasattr(v, "item") and not isinstance(v, (list, dict)):
             v = v.item()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        if curves.is_number(v):
             out[k] = float(v)
     return out
 
@@ -245,7 +234,7 @@ class Tracker:
         if spec is None:
             return
         self.store = ObjectStore(spec.run_uri, spec.storage_options)
-        local = _local_folder(self.store)
+        local = self.store.local_root
         if local is None:  # an object store: write here, copy at each flush
             self.scratch = Path(tempfile.mkdtemp(prefix=f"tracking-{spec.stage}-"))
         self.local_root = local if local is not None else self.scratch
@@ -316,12 +305,3 @@ class Tracker:
             except ValueError:
                 pass
         return redact(text, secrets)
-
-
-def _local_folder(store: ObjectStore) -> Path | None:
-    """The store's root as a local folder; None for an object store."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    if not isinstance(store.fs, LocalFileSystem):
-        return None
-    return Path(store.fs._strip_protocol(store.root_uri))
