@@ -21,7 +21,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import psutil
 from rlhf_core.config import PipelineConfig
 from rlhf_core.events import EVENTS_ENV, read_new
 from rlhf_core.jobs.common import ORCHESTRATOR_ENV
+from rlhf_core.ports import free_port
 from rlhf_core.storage import ObjectStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,12 +92,6 @@ def kill_all_jobs() -> None:
 # One Ray for a flow run's stage jobs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # The environment of a shared head and of the jobs that join it: Ray's token authentication off (a job would need
 # the head's token), loopback addresses.
 HEAD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -111,8 +105,8 @@ def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]
     ``cpus``), GPUs detected. Stopped by pid when the context ends (never ``ray stop``, which stops every Ray of the
     machine), and by ``kill_all_jobs``."""
     temp = Path(tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    port = _free_port()
-    ports = [f"--{name}={_free_port()}" for name in ("dashboard-port", "ray-client-server-port",
+    port = free_port("127.0.0.1")
+    ports = [f"--{name}={free_port('127.0.0.1')}" for name in ("dashboard-port", "ray-client-server-port",
              "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
              "metrics-export-port")]  # fmt: skip
     n = int(-(-max(float(os.cpu_count() or 1), cpus or 1) // 1))

@@ -93,8 +93,9 @@ class PolicyActor(TrainableRole):
         """Join a weight-sync group with every engine worker over ``backend`` (already resolved: gloo, nccl or
         cuda_ipc; see ``weight_sync``) in buckets of ``bucket_mb`` MiB. gloo/nccl: rank 0 sends, the other ranks only
         help gather. cuda_ipc: each rank with an engine worker on its GPU sends to it (rank r to worker r + 1)."""
-        from rlhf_core.distributed.rollout_engine import _free_port, connect_weight_sync
+        from rlhf_core.distributed.rollout_engine import connect_weight_sync
         from rlhf_core.distributed.weight_sync import MIB, WeightSender
+        from rlhf_core.ports import free_port
 
         self.engines = engines
         self.sender = None
@@ -112,7 +113,7 @@ class PolicyActor(TrainableRole):
         where = None
         if rank == 0:
             sizes = ray.get([e.num_workers.remote() for e in engines])
-            where = (ray.util.get_node_ip_address(), _free_port(), 1 + sum(sizes))
+            where = (ray.util.get_node_ip_address(), free_port(), 1 + sum(sizes))
         addr, port, world_size = self.strategy.broadcast_object(where)
         if world_size - 1 > self.strategy.world_size:
             raise ValueError(f"cuda_ipc weight sync: {world_size - 1} engine workers but {self.strategy.world_size} "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import socket
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol
 from rlhf_core import events
 from rlhf_core.config import ConfigError, StrategyConfig
 from rlhf_core.distributed.device import resolve_device
+from rlhf_core.ports import free_port
 
 if TYPE_CHECKING:  # annotations only: Ref[R] is the ObjectRef of a remote call returning R
     from ray import ObjectRef as Ref
@@ -108,10 +108,7 @@ class _Shell:
     def address(self) -> tuple[str, int]:
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
     def construct(
         self, master: tuple[str, int], env: dict[str, str], factory: Callable[..., Any], args: tuple, kwargs: dict

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -52,6 +51,7 @@ from rlhf_core.distributed.weight_sync import (
     spec_of,
     to_dtype,
 )
+from rlhf_core.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -598,12 +598,6 @@ def release_engines(engines: list[Any]) -> None:
             remove_placement_group(group)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def connect_weight_sync(
     engines: list[Any],
     *,
@@ -624,7 +618,7 @@ def connect_weight_sync(
     import ray
 
     master_addr = master_addr or ray.util.get_node_ip_address()
-    master_port = master_port or _free_port()
+    master_port = master_port or free_port()
     sizes = ray.get([e.num_workers.remote() for e in engines])
     world_size = 1 + sum(sizes)
     offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]

@@ -19,7 +19,7 @@ from rlhf_core.algos.advantages import (
 )
 from rlhf_core.algos.ppo import distributed_masked_whiten, masked_whiten, token_rewards
 from rlhf_core.distributed import device
-from tests.algos.test_ppo import _free_port
+from rlhf_core.ports import free_port
 
 # Two prompts, 4 samples each: prompt 0's rewards differ, prompt 1's are all equal.
 SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
@@ -111,7 +111,7 @@ def _reinforce_worker(rank: int, world_size: int, port: int, out_dir: str) -> No
 
 
 def test_reinforce_pp_normalises_over_the_whole_batch_across_two_processes(tmp_path):
-    mp.spawn(_reinforce_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_reinforce_worker, args=(2, free_port("127.0.0.1"), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     # returns: rank 0 [3, 3, 3], rank 1 [1, 1]. Over all 5 tokens: mean 11/5 = 2.2;
     # E[x^2] = (9 + 9 + 9 + 1 + 1) / 5 = 5.8, variance 5.8 - 2.2^2 = 0.96, std 0.9797959

@@ -2,7 +2,6 @@
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from rlhf_core.algos.ppo import (
     value_loss,
 )
 from rlhf_core.distributed import device
+from rlhf_core.ports import free_port
 
 
 def test_approx_kl_three_estimators_with_masked_position():
@@ -222,12 +222,6 @@ def test_masked_whiten_by_hand():
     assert_close(masked_whiten(x, mask, divide_std=False), expected_mean_only)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Rank 0 holds 2 rows, rank 1 holds 1 row; both T = 4 so the concatenation is a (3, 4) batch.
 RANK_X = [
     torch.tensor([[1.0, 2.0, 3.0, 50.0], [0.5, -1.0, 40.0, 40.0]]),
@@ -253,7 +247,7 @@ def _whiten_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def test_distributed_masked_whiten_matches_whitening_the_concatenation(tmp_path):
-    mp.spawn(_whiten_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_whiten_worker, args=(2, free_port("127.0.0.1"), str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
 
     x_all, mask_all = torch.cat(RANK_X), torch.cat(RANK_MASK)

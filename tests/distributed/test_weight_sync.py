@@ -25,6 +25,7 @@ from rlhf_core.distributed.weight_sync import (
     unpack_bucket,
 )
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
+from rlhf_core.ports import free_port
 from tests.distributed.test_rollout_engine import failing, perturbed
 
 # 16, 6, 40, 16 and 2 bytes
@@ -112,17 +113,11 @@ def small():
     return tok, build_causal_lm("builtin:small", tok, seed=0, dtype=torch.float32, attn="sdpa")
 
 
-def _free_port():
-    from rlhf_core.distributed.rollout_engine import _free_port
-
-    return _free_port()
-
-
 def test_gloo_sync_in_buckets_between_threads(small):
     """A sender and a receiver (a module, as the HF engine) in two threads of this process: buckets, one broadcast
     each, an aborted sync that fails both sides at once, and the next sync that repairs the receiver."""
     tok, model = small
-    port = _free_port()
+    port = free_port()
     holder = {}
     joiner = threading.Thread(
         target=lambda: holder.update(t=make_receiver_transport("127.0.0.1", port, 1, 2, "t", 60, "gloo"))

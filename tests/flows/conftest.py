@@ -5,7 +5,6 @@ about 8 s on it here; the flow tests launch about 20 jobs)."""
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_core.ports import free_port
 from tasks._launch import environ, kill_tree
 from tests.ray_cluster import cluster_env, local_cluster
 
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
@@ -55,7 +49,7 @@ def shared_ray():
 def prefect_server(tmp_path_factory):
     """Starts `prefect server start` with its own PREFECT_HOME and points this process's client at it."""
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
