@@ -13,7 +13,9 @@ import random
 import socket
 from pathlib import Path
 
-LOWEST = 10000  # below it: well-known and registered service ports
+# Below it: well-known and registered service ports, and Ray's worker ports (10002-19999 by default), which Ray's
+# workers take as they start.
+LOWEST = 20000
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default (macOS and Windows use 49152-65535, above this one)
 _given: set[int] = set()
