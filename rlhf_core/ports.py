@@ -13,7 +13,7 @@ import random
 import socket
 from pathlib import Path
 
-# Below it: well-known and registered service ports, and Ray's worker ports (10002-19999 by default), which Ray's
+# Below it: well-known and registered service ports, and Ray's worker ports (10000-19999 by default), which Ray's
 # workers take as they start.
 LOWEST = 20000
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
