@@ -21,13 +21,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from rlhf_core.ports import free_port
+
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening(port: int) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 from rlhf_core.config import ConfigError
 from rlhf_core.data.synthetic import gold_reward
 from rlhf_core.jobs import score
+from rlhf_core.ports import free_port
 from rlhf_core.rewards import (
     RemoteRewardError,
     RemoteRewardModel,
@@ -28,12 +28,6 @@ from tests.reward_server import gold_scores, serve
 KEY = "ppo.remote_rm_url"
 PROMPTS = ["Write about the garden.", [{"role": "user", "content": "hi"}], "Describe the river.", "x"]
 RESPONSES = ["The garden is good and lovely.", "awful", "The river is bad.", ""]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def test_one_ray_serves_every_stage_inside_and_stops_after():
 
 WORKER = """
 import os, sys
-from tests.ray_cluster import free_port
+from rlhf_core.ports import free_port
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   RLHF_DEVICE="cpu", OMP_NUM_THREADS="1")
 import torch

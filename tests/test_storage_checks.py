@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import s3fs
 
+from rlhf_core.ports import free_port
 from rlhf_core.storage import (
     S3_CONFIG_KWARGS,
     ArtifactError,
@@ -22,13 +23,6 @@ from rlhf_core.storage import (
 from tests.conftest_s3 import s3_storage_options
 
 UNREACHABLE_WITHIN_S = 30  # generous: a property (seconds, not minutes), not a benchmark
-
-
-def free_port() -> int:
-    """A loopback port with nothing listening on it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def refusal(uri: str, options: dict | None = None, **kwargs) -> str:

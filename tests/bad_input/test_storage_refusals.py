@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import uuid
 from pathlib import Path
 
 import pytest
+
+from rlhf_core.ports import free_port
 
 AWS_VARS = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
@@ -28,12 +29,6 @@ def aws_env(monkeypatch) -> dict[str, str]:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_only_folder(path: Path) -> Path:

@@ -13,8 +13,8 @@ import torch
 
 from rlhf_core.algos.batching import make_sequences
 from rlhf_core.distributed import device
+from rlhf_core.ports import free_port
 from tests.conftest import TINY
-from tests.ray_cluster import free_port
 
 
 def test_to_device_moves_dicts_and_tensor_batches():
