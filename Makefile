@@ -7,7 +7,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # One place for DeepSpeed's compiled ops (CPU Adam, shared-memory comm) so tests and CI pay the build once.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 
-.PHONY: setup demo lint format test test-fast gpu-wheels gpu-check clean
+.PHONY: setup demo lint format test test-all test-fast gpu-wheels gpu-check clean
 
 setup:
 	bash scripts/setup.sh
@@ -24,12 +24,18 @@ format: setup
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
+# The test command: every capability once on the real engines (tests marked `extended` are left to test-all).
+# The 25 slowest tests close every run, so a CI log shows where the time goes.
 test: setup
-	$(PY) -m pytest tests -q $(ARGS)
+	$(PY) -m pytest tests -q -m "not extended" --durations=25 $(ARGS)
+
+# Everything: also each method's gold-reward proof and the slow variants that `make test` proves once.
+test-all: setup
+	$(PY) -m pytest tests -q --durations=25 $(ARGS)
 
 # Under 3 minutes: math, config, data, storage (real S3 server), stage graph, launcher, architecture; no Ray jobs.
 test-fast: setup
-	$(PY) -m pytest tests -q -m "not slow" $(ARGS)
+	$(PY) -m pytest tests -q -m "not slow and not extended" $(ARGS)
 
 # GPU machine: wheels of the project and DeepSpeed for it (build/gpu_wheels/), then the GPU check (README).
 gpu-wheels: setup

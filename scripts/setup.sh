@@ -20,7 +20,19 @@ LOCK=requirements/cpu-lock.txt
 STAMP="$VENV/.lock-sha256"
 want=$(sha256sum "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
 
+# DeepSpeed's CPU Adam op (optimizer offload), compiled once into TORCH_EXTENSIONS_DIR (the Makefile sets it) rather
+# than in the first stage or test that offloads its optimizer: about 90 s on a fresh machine.
+build_cpu_adam() {
+  local dir=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+  compgen -G "$dir/*/cpu_adam/cpu_adam*.so" >/dev/null && return 0
+  echo "setup: compiling DeepSpeed's CPU Adam op into $dir (about 90 s, once)"
+  TORCH_EXTENSIONS_DIR=$dir "$VENV/bin/python" -c \
+    "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" >/dev/null 2>&1 \
+    || { echo "setup: compiling DeepSpeed's CPU Adam op failed" >&2; exit 1; }
+}
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  build_cpu_adam
   echo "setup: $VENV is up to date"
   exit 0
 fi
@@ -35,5 +47,6 @@ fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" -c "import torch, deepspeed, ray, transformers, datasets, s3fs, vllm, matplotlib" 2>/dev/null \
   || { echo "setup: import check failed" >&2; exit 1; }
+build_cpu_adam
 echo "$want" > "$STAMP"
 echo "setup: $VENV ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -148,6 +148,29 @@ def test_workers_load_neither_the_shm_comm_op_nor_torch_inductor_and_train_alike
     assert runs["eager"]["losses"] == runs["compiled"]["losses"]
 
 
+DEEPSPEED_WITHOUT_MLFLOW = """
+import sys
+from rlhf_core.distributed.strategy import import_deepspeed
+import_deepspeed()
+from deepspeed.autotuning import autotuner
+print("deepspeed", "mlflow" in sys.modules, autotuner.has_mlflow)
+from rlhf_core.tracking import LOGGERS
+import mlflow
+from mlflow.tracking import MlflowClient
+print("mlflow", mlflow.__version__, MlflowClient.__name__)
+"""
+
+
+def test_deepspeed_loads_without_mlflow_and_the_tracker_still_gets_it():
+    """DeepSpeed's autotuner imports mlflow whenever it is installed (1-2 s of every worker's start-up): the
+    workers' DeepSpeed loads without it, and a later import, as the MLflow tracker makes, gets the real package."""
+    out = _python(DEEPSPEED_WITHOUT_MLFLOW)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("deepspeed", "mlflow")))
+    assert lines["deepspeed"] == "False False"  # mlflow not imported, and DeepSpeed took it for absent
+    assert lines["mlflow"].split()[1:] == ["MlflowClient"] and lines["mlflow"][0].isdigit()
+
+
 def test_ray_cpus_of_each_kind_is_what_its_job_asks_init_ray_for():
     cfg = load_config(TINY, ["sft.strategy.num_workers=2", "sft.strategy.cpus_per_worker=1.5"])
     assert ray_cpus(cfg.stage("sft")) == 3.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -77,7 +78,7 @@ class DeepSpeedStrategy:
     def prepare(self, model: nn.Module, total_steps: int) -> Any:
         """Wrap ``model`` in a DeepSpeed engine with AdamW and the configured LR schedule (with the config the model
         was partitioned with, when it was built inside ``model_init()``)."""
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         config = self.engine_config if self.engine_config is not None else self.ds_config()
 
@@ -141,7 +142,7 @@ class DeepSpeedStrategy:
 def join_world() -> tuple[int, int]:
     """Join this worker's torch.distributed world (NCCL on CUDA, after selecting the worker's device; gloo on CPU),
     unless already joined; returns (rank, world size)."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     where = device.current()
     if where.type == "cuda":
@@ -150,6 +151,25 @@ def join_world() -> tuple[int, int]:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if where.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def import_deepspeed() -> Any:
+    """``import deepspeed``, the first time without letting it import mlflow: DeepSpeed's autotuner imports mlflow
+    whenever it is installed (``deepspeed.autotuning.autotuner``: ``try: import mlflow``), 1.1-1.9 s of the 1.5-2.5 s
+    that ``import deepspeed`` takes, in every worker of every stage, for autotuning, which nothing here runs. While
+    DeepSpeed loads, ``sys.modules["mlflow"]`` is None (an import of it raises ImportError, which the autotuner takes
+    as "not installed"); the entry is removed right after, so the MLflow tracker (``rlhf_core.tracking``) still
+    imports the real package. A process that imported mlflow before is left as it is."""
+    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+        try:
+            import deepspeed  # noqa: F401
+        finally:
+            if sys.modules.get("mlflow", 0) is None:
+                del sys.modules["mlflow"]
+    import deepspeed
+
+    return deepspeed
 
 
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -163,6 +183,7 @@ def _skip_shm_comm_op() -> None:
     about a minute per extension directory, and any change of its compile command (another venv path, another
     compiler) rebuilds it in the next worker. ``deepspeed.ops.__compatible_ops__`` is the switch DeepSpeed itself
     reads (``build_shm_op``): one dict per process, probed on first access, kept with edits."""
+    import_deepspeed()
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
@@ -219,7 +240,7 @@ class HfZero3Config:
 
     @contextmanager
     def partitioned(self) -> Iterator[None]:
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         _mmap_threshold(1 << 20)
         try:
@@ -291,7 +312,7 @@ class FrozenStrategy:
         """``make()`` built on this rank (partitioned under ZeRO-3) and made ready for eval-mode forwards."""
         if self._hf_zero3 is None:
             return make().to(self.device).eval()
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         with self._hf_zero3.partitioned():
             model = make()
