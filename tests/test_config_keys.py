@@ -694,12 +694,12 @@ def _ppo_setup(cfg: PipelineConfig, stage: str):
     """The controller as ppo.run builds it (the same models fetched)."""
     from rlhf_core.jobs import ppo
 
-    p = cfg.stage(stage)
+    p, train_actor = cfg.stage(stage), cfg.kind(stage) == "ppo"
     models = {"actor": p.actor}
     models.update({role: m for role, m in (("critic", p.critic), ("reward", p.reward)) if m is not None})
-    if ppo.needs_reference(p.algo):
+    if ppo.needs_reference(p, train_actor):
         models["reference"] = p.reference or p.actor
-    return ppo.PPOController(stage, p, common.setup_stage(cfg, stage, models), cfg.kind(stage) == "ppo")
+    return ppo.PPOController(stage, p, common.setup_stage(cfg, stage, models), train_actor)
 
 
 def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
@@ -831,7 +831,7 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
         c.actor = FixedRole("actor")
         c.critic = FixedRole("critic") if c.p.critic is not None else None
         c.reward = FixedRole("reward") if c.p.reward is not None else None
-        c.reference = FixedRole("reference") if needs_reference(c.p.algo) else None
+        c.reference = FixedRole("reference") if needs_reference(c.p, c.train_actor) else None
         responses = [c.tokenizer.encode(t, add_special_tokens=False) + [c.eos_id] for t in FIXED_RESPONSES]
         prompts = c.prompts[:2]
         scored = c.experience([e["prompt_ids"] for e in prompts], responses, [e["prompt"] for e in prompts])
@@ -1008,7 +1008,13 @@ def _rounded(t: torch.Tensor | None) -> list | None:
 
 
 def _trained_role(role: Any) -> dict:
-    return {**fingerprint(role.engine.module), **engine_state(role.engine.module, role.engine)}
+    """The model and the optimizer's set-up; a role that never trains (the critic warm-up's actor) has no optimizer
+    (ZeRO-3: DeepSpeed's parameter-gathering inference wrapper in its place)."""
+    engine = role.engine
+    if not role.ctx.trains:
+        optimizer = engine.optimizer
+        return {**fingerprint(engine.module), "optimizer": type(optimizer).__name__ if optimizer else None}
+    return {**fingerprint(engine.module), **engine_state(engine.module, engine)}
 
 
 def _role_report(c) -> dict:

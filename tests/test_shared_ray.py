@@ -36,6 +36,7 @@ def _cluster_pids(temp: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test proves a run's shared Ray on a real flow run (tests/flows/test_shared_cluster.py)
 def test_stage_jobs_join_the_runs_ray_which_is_stopped_after(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = load_config(TINY, ["ppo.rollout.num_engines=2"])

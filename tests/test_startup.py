@@ -91,6 +91,7 @@ def _python(script: str, *args: str, timeout: float = 300) -> subprocess.Complet
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # start-up levers, measured by `python -m bench.startup`
 def test_one_ray_serves_every_stage_inside_and_stops_after():
     """In a process of its own: Ray's state is per process."""
     out = _python(ONE_RAY)
@@ -133,6 +134,7 @@ print("losses", losses)
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # start-up levers, measured by `python -m bench.startup`
 def test_workers_load_neither_the_shm_comm_op_nor_torch_inductor_and_train_alike():
     """A trained worker's DeepSpeed set-up (gloo, one rank): the comm backend comes without the shared-memory op,
     ZeRO's Muon import without torch._inductor, and training gives the same losses as with both."""

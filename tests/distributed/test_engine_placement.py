@@ -123,6 +123,8 @@ def test_vllm_tp2_generates_syncs_both_workers_in_buckets_in_its_placement_group
     assert placement_group_table(group)["state"] == "REMOVED"
 
 
+# HF engines in placement groups; make test runs HF engines in test_rollout_engine and the PPO-kind stages
+@pytest.mark.extended
 def test_hf_engines_in_own_and_shared_placement_groups(ray_cluster, tiny):
     """Without vLLM: each engine's own group, or bundles i*tp of a group shared with the training roles."""
     import ray

@@ -110,6 +110,9 @@ def check_responses(responses, n_prompts, n, max_new, eos_id):
         assert all(isinstance(t, int) for t in r)
 
 
+# make test proves vLLM generation, weight sync, abort and repair on the TP=2 engine (test_engine_placement) and in PPO
+# (test_ppo)
+@pytest.mark.extended
 def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     import ray
 

@@ -1,6 +1,7 @@
 """The Prefect pipeline against a real Prefect server: deployment on a process worker, artifacts and schedule read
 back through the API, cancellation, resume of a failed run, and reruns after a config change."""
 
+import contextlib
 import json
 import shutil
 import time
@@ -47,19 +48,41 @@ PPO_PHASES = ["generation", "experience", *(f"experience_{r}" for r in ROLES), "
               "actor_train", "weight_sync", "checkpoint"]  # fmt: skip
 
 
+def ray_heads_of_runs() -> set[int]:
+    """Processes of any cluster started by tasks._launch.ray_head (their command lines name its /tmp/rlhf-ray-*)."""
+    found = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any("/tmp/rlhf-ray-" in part for part in p.info["cmdline"] or []):
+                found.add(p.pid)
+    return found
+
+
+def run_logs(flow_run_id) -> str:
+    """Every log line of a flow run, page by page."""
+    logs: list = []
+    with get_client(sync_client=True) as client:
+        of_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        while page := client.read_logs(log_filter=of_run, limit=200, offset=len(logs)):
+            logs += page
+    return "\n".join(log.message for log in logs)
+
+
 @pytest.fixture(scope="module")
 def deployed_run(prefect_server, work_pool, tmp_path_factory):
-    """The tiny pipeline deployed and run once on the process worker: (the flow run, its run folder)."""
+    """The tiny pipeline deployed and run once on the process worker, with one Ray for its stage jobs
+    (``shared_ray``): (the flow run, its run folder, the Ray heads of runs that were there before it)."""
     run_dir = tmp_path_factory.mktemp("deployed") / "run"
     deploy(work_pool["pool"], cron="0 3 * * *", names=["tiny-nightly"],
-           overrides={"run_uri": str(run_dir), "overrides": FAST})  # fmt: skip
+           overrides={"run_uri": str(run_dir), "overrides": FAST, "shared_ray": True})  # fmt: skip
+    heads_before = ray_heads_of_runs()
     flow_run = run_deployment("rlhf-pipeline/tiny-nightly", timeout=900)
     assert flow_run.state.is_completed(), (flow_run.state, work_pool["worker_log"].read_text()[-3000:])
-    return flow_run, run_dir
+    return flow_run, run_dir, heads_before
 
 
 def test_deployed_pipeline_runs_on_a_process_worker(deployed_run):
-    flow_run, run_dir = deployed_run
+    flow_run, run_dir, heads_before = deployed_run
 
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert states(summary) == dict.fromkeys(STAGES, "Completed")
@@ -101,10 +124,16 @@ def test_deployed_pipeline_runs_on_a_process_worker(deployed_run):
         assert "| ppo | Completed |" in by_key["run-summary"].data
         deployment = client.read_deployment_by_name("rlhf-pipeline/tiny-nightly")
         assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=200)
-        messages = "\n".join(log.message for log in logs)
+    messages = run_logs(flow_run.id)
     # The stage job's own output, Ray workers' lines included (prefixed with the worker's role), is in the run log.
     assert "[sft] step" in messages and "SupervisedTrainer rank 0 pid=" in messages
+    # One Ray for the run (shared_ray): each of the 4 stage jobs that use Ray (critic_init copies a model) joined the
+    # head the flow started, none started a Ray of its own, and the head is gone with the run.
+    assert "the stage jobs join the run's Ray at 127.0.0.1:" in messages
+    port = messages.split("the stage jobs join the run's Ray at ", 1)[1].split()[0].rsplit(":", 1)[1]
+    assert messages.count("Connecting to existing Ray cluster at address: ") == 4, messages[-3000:]
+    assert messages.count(f":{port}...") == 4 and "Started a local Ray instance" not in messages
+    assert not ray_heads_of_runs() - heads_before
 
 
 CURVE_STAGES = ["sft", "reward_model", "critic_warmup", "ppo"]  # critic_init copies a model: no steps
@@ -117,7 +146,7 @@ def test_the_prefect_ui_renders_each_stage_curves(deployed_run, prefect_server):
     version of its artifact held a partial curve (the newest live version, kept beside the final one)."""
     from playwright.sync_api import sync_playwright
 
-    flow_run, run_dir = deployed_run
+    flow_run, run_dir, _ = deployed_run
     with get_client(sync_client=True) as client:
         keys = [f"{stage.replace('_', '-')}-curves" for stage in CURVE_STAGES]
         versions = client.read_artifacts(
@@ -205,11 +234,14 @@ def test_cancelling_a_running_flow_leaves_no_job_process(prefect_server, work_po
 
 
 @pytest.fixture(scope="module")
-def failed_then_resumed(prefect_server, tmp_path_factory):
-    """A run whose PPO stage fails on purpose after its first checkpoint, then the same run again."""
+def failed_then_resumed(deployed_run, tmp_path_factory):
+    """A run whose PPO stage fails on purpose after its first checkpoint, then the same run again. It starts from the
+    deployed run's committed stages with one change, the reward model's learning rate: SFT is found complete for its
+    config (``save_steps`` is not hashed) and not launched; the reward model and what follows it run again."""
     run_dir = tmp_path_factory.mktemp("resume") / "run"
+    shutil.copytree(deployed_run[1], run_dir, ignore=shutil.ignore_patterns("ppo", "_prefect", "_launches"))
     params = PipelineParams(preset="tiny", run_name="resume-test", run_uri=str(run_dir), task_retries=0,
-                            overrides=[*FAST, "ppo.train.save_steps=2"])  # fmt: skip
+                            overrides=[*FAST, "ppo.train.save_steps=2", "reward_model.optim.lr=1.5e-3"])  # fmt: skip
     mp = pytest.MonkeyPatch()
     mp.setenv("RLHF_FAIL_AFTER_STEP", "2")
     with pytest.raises(Exception, match="injected failure after checkpoint at step 2"):
@@ -221,25 +253,22 @@ def failed_then_resumed(prefect_server, tmp_path_factory):
     return run_dir, params, failed, launched_first, resumed
 
 
+def test_changing_the_reward_model_config_reruns_it_and_what_follows(failed_then_resumed):
+    _, _, failed, launched_first, _ = failed_then_resumed
+    assert states(failed) == {"sft": "Cached", **dict.fromkeys(STAGES[1:4], "Completed"), "ppo": "Failed"}
+    assert launched_first == STAGES[1:]
+
+
 def test_rerun_of_a_failed_run_skips_finished_stages_and_resumes_ppo(failed_then_resumed):
     run_dir, _, failed, launched_first, resumed = failed_then_resumed
     assert failed["state"] == "Failed" and states(failed)["ppo"] == "Failed"
-    assert launched_first == STAGES
     assert states(resumed) == {**dict.fromkeys(STAGES[:4], "Cached"), "ppo": "Completed"}
-    assert launches(run_dir) == STAGES + ["ppo"]  # no earlier stage's job was launched again
+    assert launches(run_dir) == launched_first + ["ppo"]  # no earlier stage's job was launched again
     ppo_row = [r for r in resumed["stages"] if r["stage"] == "ppo"][0]
     assert ppo_row["metrics"]["resumed_from_step"] == 2 and ppo_row["metrics"]["steps"] == 4
 
 
-def test_changing_the_reward_model_config_reruns_it_and_what_follows(failed_then_resumed):
-    run_dir, params, *_ = failed_then_resumed
-    before = len(launches(run_dir))
-    changed = params.model_copy(update={"overrides": [*params.overrides, "reward_model.optim.lr=1.5e-3"]})
-    summary = rlhf_pipeline(changed)
-    assert states(summary) == {"sft": "Cached", **dict.fromkeys(STAGES[1:], "Completed")}
-    assert launches(run_dir)[before:] == STAGES[1:]
-
-
+@pytest.mark.extended  # the stages parameter; make test runs whole pipelines
 def test_single_stage_run_reads_upstream_outputs_from_the_run(failed_then_resumed):
     run_dir, params, *_ = failed_then_resumed
     before = len(launches(run_dir))
@@ -259,17 +288,14 @@ def test_bad_input_fails_the_stage_once_without_retries(prefect_server, tmp_path
     assert states(json.loads((run_dir / "run_summary.json").read_text())) == {"sft": "Failed"}
 
 
+@pytest.mark.extended  # make test: a SIGKILLed job's task retry resumes (test_faults); PPO resume (test_ppo)
 def test_a_task_retry_resumes_ppo_from_its_checkpoint(failed_then_resumed, tmp_path, monkeypatch):
-    import shutil
-
     source, params, *_ = failed_then_resumed
     run_dir = tmp_path / "run"  # the finished upstream stages of that run, without PPO
     shutil.copytree(source, run_dir, ignore=shutil.ignore_patterns("ppo", "_prefect", "_launches"))
     monkeypatch.setenv("RLHF_FAIL_AFTER_STEP", "2")
-    # (the overrides of the config-change test, whose outputs the copy holds when the whole module runs)
-    overrides = [*params.overrides, "reward_model.optim.lr=1.5e-3"]
     summary = rlhf_pipeline(params.model_copy(update={"run_name": "retry-test", "run_uri": str(run_dir),
-                                                      "task_retries": 1, "overrides": overrides}))  # fmt: skip
+                                                      "task_retries": 1}))  # fmt: skip
     assert states(summary)["ppo"] == "Completed"
     assert launches(run_dir).count("ppo") == 2  # the failed attempt and its retry
     ppo = [r for r in summary["stages"] if r["stage"] == "ppo"][0]

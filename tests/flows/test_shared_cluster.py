@@ -11,7 +11,8 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
 from tasks._launch import _HEADS
 
-pytestmark = pytest.mark.slow
+# make test proves one Ray for a run's jobs on the deployed run (test_pipeline.py::deployed_run, shared_ray)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def _ray_heads_of_runs() -> list[int]:

@@ -13,7 +13,8 @@ from tests.conftest import TINY
 # 2 workers x micro 8 = global batch 16 (no accumulation); 256 rows -> 16 steps; checkpoints every 4 steps.
 SFT_2W = ["sft.strategy.num_workers=2", "sft.data.max_samples=256", "sft.train.save_steps=4", "sft.train.keep_last=2"]
 RM_2W = ["reward_model.strategy.num_workers=2", "reward_model.train.micro_train_batch_size=8"]
-UPSTREAM = [*SFT_2W, *RM_2W]
+CRITIC_WARMUP = ["critic_warmup.train.save_steps=1"]  # a checkpoint after step 1 of 2 (its frozen actor has none)
+UPSTREAM = [*SFT_2W, *RM_2W, *CRITIC_WARMUP]
 
 
 def cfg_for(run_dir, *overrides):

@@ -18,7 +18,9 @@ from rlhf_core.config import load_config
 from rlhf_core.jobs.pipeline import runner
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+# make test-all only: method quality is measured by `python -m bench.quality`; make test keeps each method's real-
+# engine test (test_preference_stages, test_loops, test_rl_family, test_generate_score) and PPO's gold test
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 PRESETS = ROOT / "deployments" / "configs"
 SHARED = ("sft", "reward_model", "eval_sft", "generate_1")

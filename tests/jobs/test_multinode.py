@@ -97,6 +97,7 @@ def test_stage_model_never_shows_its_storage_options():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the 2-node cluster is proven in make test by the PPO run below
 def test_a_node_fetches_from_s3_with_the_credentials_it_was_handed_and_shows_none(s3_server, tmp_path, capfd):
     store = ObjectStore(f"s3://{s3_server.bucket}/node-cache/{tmp_path.name}", s3_storage_options(s3_server))
     ref = _artifact(store, tmp_path, "sft", "weights on s3")

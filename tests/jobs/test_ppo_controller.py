@@ -1,5 +1,5 @@
 """The PPO controller's experience and advantage phases on plain in-process roles (no Ray): what each role is given,
-and how truncated responses are scored and penalised."""
+how truncated responses are scored and penalised, and the critic warm-up's frozen actor as its own reference."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -10,12 +10,13 @@ import torch
 from rlhf_core import timing
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience, SequenceBatch
-from rlhf_core.algos.ppo import make_kl_controller
-from rlhf_core.config import PPOAlgoConfig
+from rlhf_core.algos.ppo import KL_ESTIMATORS, make_kl_controller
+from rlhf_core.config import PPOAlgoConfig, load_config
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.jobs import ppo
 from rlhf_core.models.builders import load_tokenizer
+from tests.conftest import TINY
 
 
 class InProcess:
@@ -99,3 +100,34 @@ def test_truncated_responses_are_scored_with_eos_and_penalised_before_the_clip(c
     # the reward of each row sits on its last action token: the returns there (gamma = 1, critic values 0)
     last = sampled.action_mask.cumsum(1).argmax(1)
     assert (out.returns.gather(1, last[:, None]).squeeze(1) - expected).abs().max() < 1e-5
+
+
+def test_the_critic_warmups_frozen_actor_is_its_own_reference(controller, tmp_path):
+    """The critic warm-up with ``reference`` null builds no reference group (nor asks Ray for one): its actor never
+    trains, so the actor's old log-probs are the reference's, the KL (any estimator) and its penalty exactly 0, and
+    the KL metrics stay, at 0.0. A reference of its own is built, and so is the PPO stage's, also with frozen
+    warm-up steps (its actor trains after them)."""
+    cfg = load_config(TINY, [f"run_uri={tmp_path}", "ppo.train.freeze_actor_steps=1"])
+    warmup, stage = cfg.stage("critic_warmup"), cfg.stage("ppo")
+    assert warmup.reference is None and ppo.needs_kl(warmup.algo)
+    assert not ppo.needs_reference(warmup, train_actor=False) and ppo.reference_workers(warmup, False) == 0
+    assert ppo.needs_reference(dataclasses.replace(warmup, reference=warmup.actor), train_actor=False)
+    assert ppo.needs_reference(stage, train_actor=True) and ppo.reference_workers(stage) == stage.reference_workers
+    frozen, trained = ppo.resource_demand(warmup, "cuda", train_actor=False), ppo.resource_demand(warmup, "cuda")
+    assert trained["CPU"] - frozen["CPU"] == warmup.frozen_cpus_per_worker and trained["GPU"] - frozen["GPU"] == 1
+
+    controller.reference, controller.ref_from_actor = None, True
+    eos = controller.eos_id
+    responses = [[20, 21, eos], [22, 23, 24, 25], [26, eos], [27, 28, 29]]
+    scored = controller.experience([[5, 6, 7], [8, 9]], responses, ["first", "second"])
+    exp = scored.exp
+    assert exp.ref_logprobs is exp.old_logprobs
+    for estimator in KL_ESTIMATORS:
+        assert torch.equal(controller.token_kl(exp, estimator), torch.zeros_like(exp.old_logprobs)), estimator
+    controller.p = SimpleNamespace(algo=PPOAlgoConfig(kl_coef=0.5), rollout=SimpleNamespace(n_samples_per_prompt=2))
+    controller.kl_ctl = make_kl_controller(0.5)
+    out, logs = controller.advantages(scored)
+    assert logs["kl"] == 0.0 and logs["kl_token_mean"] == 0.0
+    controller.kl_ctl = make_kl_controller(0.0)  # no penalty at all: the same advantages and returns, bit for bit
+    unpenalised, _ = controller.advantages(scored)
+    assert torch.equal(out.advantages, unpenalised.advantages) and torch.equal(out.returns, unpenalised.returns)

@@ -9,7 +9,9 @@ from rlhf_core.storage import ObjectStore
 from tests.conftest import TINY
 from tests.conftest_s3 import s3_storage_options
 
-pytestmark = pytest.mark.slow
+# make test-all only: a stage on the S3 server, its resume and credentials are proven in make test by test_secrets.py
+# and test_store_outage.py
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def test_sft_on_s3_resumes_and_keeps_credentials_out(s3_server, ray_cluster, monkeypatch, tmp_path, capfd):

@@ -117,6 +117,7 @@ def test_reward_model_learns_the_gold_preference_and_stores_stats(sft_run):
     assert critic_config.reward_std == pytest.approx(ref.metrics["reward_std"])
 
 
+@pytest.mark.extended  # bf16 on CPU; make test trains fp32 (ZeRO-2, ZeRO-3, offload)
 def test_sft_bf16_one_worker(tmp_path, ray_cluster, monkeypatch):
     # Also: the rank-0 worker reports its steps as structured events (Ray workers see RLHF_EVENTS_FILE), and its
     # checkpoints record the ranks that wrote them.

@@ -203,6 +203,7 @@ def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_
     assert store.read_manifest("sft/checkpoints/step_00000001", verify=True).extra["step"] == 1
 
 
+@pytest.mark.extended  # make test keeps the outage mid checkpoint (above)
 def test_outage_mid_export_reruns_to_a_verified_output(own_s3, tmp_path):
     """The store dies while the stage's own output is half uploaded (beside the stage, in ``sft.next/``): no
     manifest was written, the rerun does not take it for a finished stage, resumes from the last checkpoint and
