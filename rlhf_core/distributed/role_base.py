@@ -1,5 +1,6 @@
 """What the trained PPO roles (actor, critic) share: DeepSpeed set-up, batched forwards, the PPO-epoch loop,
-checkpoint shards and export. Each role file adds its model and its loss."""
+checkpoint shards and export. Each role file adds its model and its loss. A role that never trains (the critic
+warm-up's actor, ``RoleContext.trains``) gets an engine without optimizer (``DeepSpeedStrategy.prepare_frozen``)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class RoleContext:
     temperature: float = 1.0  # rollout temperature: log-probs are those of the distribution the engines sampled
     trust_remote_code: bool = False  # <stage>.<role>.trust_remote_code
     reward_stats: tuple[float, float] | None = None  # (mean, std) of the reward model when normalize_reward is on
+    trains: bool = True  # False: forwards only (the critic warm-up's actor), an engine without optimizer
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,10 @@ class TrainableRole:
         attn = attn_implementation(ctx.strategy.attn_implementation, self.strategy.device)
         with self.strategy.model_init():  # ZeRO-3: each rank materialises only its partition
             model = self.build_model(self.tokenizer, self.strategy.dtype, attn)
-        self.engine = self.strategy.prepare(model, max(1, ctx.total_optimizer_steps))
+        if ctx.trains:
+            self.engine = self.strategy.prepare(model, max(1, ctx.total_optimizer_steps))
+        else:
+            self.engine = self.strategy.prepare_frozen(model)
         return self.strategy.rank
 
     @property

@@ -99,6 +99,25 @@ class DeepSpeedStrategy:
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         return engine
 
+    def prepare_frozen(self, model: nn.Module) -> Any:
+        """``model`` in a DeepSpeed engine without optimizer, for a trained role's model that a stage keeps frozen
+        throughout (the critic warm-up's actor): no Adam states, fp32 master weights, gradient buffers or LR
+        schedule. ZeRO-3 keeps the config the model was partitioned with (``model_init``), which without an optimizer
+        gives DeepSpeed's ZeRO-3 inference engine (as ``FrozenStrategy``). ZeRO-1/2 partition only what training
+        holds, so below stage 3 each rank runs a replica: stage 0, and bf16 off (a bf16 engine would get DeepSpeed's
+        bf16 optimizer, with fp32 master weights), its parameters cast here as that engine casts them."""
+        deepspeed = import_deepspeed()
+
+        config = self.engine_config if self.engine_config is not None else self.ds_config()
+        if config["zero_optimization"]["stage"] != 3:
+            if config["bf16"]["enabled"]:
+                for param in model.parameters():
+                    if param.is_floating_point():
+                        param.data = param.data.to(torch.bfloat16)
+            config = {**config, "zero_optimization": {"stage": 0}, "bf16": {"enabled": False}}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        return engine
+
     # -- collectives (device-aware: rlhf_core.distributed.device) -----------------------------------------------------
     def all_reduce_mean(self, value: float) -> float:
         return device.all_reduce_mean(value)

@@ -28,7 +28,9 @@ the advantage is the return of the group-shaped reward. Rewards are the weighted
 model (``reward``), a Python reward function (``reward_fn``, on the driver, which may also drop samples) and a remote
 reward server (``remote_rm_url``, ``rlhf_core.rewards``); at least one is given. No reward-model group is built
 without ``reward``. No reference policy is built when ``algo.kl_coef`` = 0 and there is no ``algo.kl_target`` (no
-KL, neither as a reward penalty nor as a loss term, ``algo.kl_mode``).
+KL, neither as a reward penalty nor as a loss term, ``algo.kl_mode``), nor in the critic warm-up with ``reference``
+null: its frozen actor is the reference throughout (its old log-probs stand for the reference's, the KL is 0), and
+it has no optimizer.
 Roles are called through typed handles: ``group.call(PolicyActor.export, ...)``, never by method name.
 
 Writes ``<run_uri>/ppo/`` (the policy, Hugging Face format), ``<run_uri>/ppo/critic/`` (with a critic) and
@@ -116,13 +118,25 @@ def optimizer_steps(p: PPOConfig, ppo_steps: int) -> int:
     return ppo_steps * samples // p.train.train_batch_size * p.algo.ppo_epochs
 
 
-def needs_reference(a: PPOAlgoConfig) -> bool:
-    """A reference policy only for a KL penalty: none when kl_coef = 0 and no adaptive target (as OpenRLHF)."""
+def needs_kl(a: PPOAlgoConfig) -> bool:
+    """A KL to the reference policy, as a reward penalty or a loss term: none when kl_coef = 0 and no adaptive target
+    (as OpenRLHF)."""
     return a.kl_coef > 0 or a.kl_target is not None
 
 
-def reference_workers(p: PPOConfig) -> int:
-    return p.reference_workers if needs_reference(p.algo) else 0
+def actor_is_reference(p: PPOConfig, train_actor: bool) -> bool:
+    """The policy is the reference at every step: the actor never trains (the critic warm-up) and the reference is its
+    starting model (``reference`` null). The actor's old log-probs are then the reference's, and the KL is 0."""
+    return not train_actor and p.reference is None
+
+
+def needs_reference(p: PPOConfig, train_actor: bool) -> bool:
+    """A reference group: for a KL (``needs_kl``) to a policy other than the frozen actor (``actor_is_reference``)."""
+    return needs_kl(p.algo) and not actor_is_reference(p, train_actor)
+
+
+def reference_workers(p: PPOConfig, train_actor: bool = True) -> int:
+    return p.reference_workers if needs_reference(p, train_actor) else 0
 
 
 def critic_workers(p: PPOConfig) -> int:
@@ -135,36 +149,41 @@ def reward_workers(p: PPOConfig) -> int:
     return p.reward_workers if p.reward is not None else 0
 
 
-def resource_demand(p: PPOConfig, device: str) -> dict[str, float]:
-    """Ray resources the roles and engines ask for (colocated roles share their partner's devices)."""
+def resource_demand(p: PPOConfig, device: str, train_actor: bool = True) -> dict[str, float]:
+    """Ray resources the roles and engines ask for (colocated roles share their partner's devices). ``train_actor``:
+    False for the critic warm-up (``run``)."""
     a, c = p.actor_strategy, p.critic_strategy
+    ref_workers = reference_workers(p, train_actor)
     cpus = a.num_workers * a.cpus_per_worker + critic_workers(p) * c.cpus_per_worker
-    cpus += (reward_workers(p) + reference_workers(p)) * p.frozen_cpus_per_worker
+    cpus += (reward_workers(p) + ref_workers) * p.frozen_cpus_per_worker
     cpus += p.rollout.num_engines * p.rollout.cpus_per_engine
     demand = {"CPU": cpus}
     if device == "cuda":
         gpus = a.num_workers + critic_workers(p) + p.rollout.num_engines * p.rollout.tensor_parallel_size
-        gpus += 0 if (p.colocate_actor_ref or p.colocate_all) else reference_workers(p)
+        gpus += 0 if (p.colocate_actor_ref or p.colocate_all) else ref_workers
         gpus += 0 if (p.colocate_critic_reward or p.colocate_all) else reward_workers(p)
         if p.colocate_all:  # every role and engine in the actor's bundles (check_fits: the engines' GPUs fit there)
             gpus = a.num_workers
         demand["GPU"] = gpus
     if p.colocate_all:  # one bundle of 1 CPU per actor rank, shared by all roles and the engines
         demand["CPU"] = a.num_workers
-    for workers, _, resources in pinned_groups("", p).values():  # custom resources: what pins roles to nodes
+    for workers, _, resources in pinned_groups("", p, train_actor).values():  # custom resources: pins to nodes
         for name, amount in resources.items():
             demand[name] = demand.get(name, 0.0) + workers * amount
     return demand
 
 
-def pinned_groups(stage: str, p: PPOConfig) -> dict[str, tuple[int, float, dict[str, float]]]:
+def pinned_groups(
+    stage: str, p: PPOConfig, train_actor: bool = True
+) -> dict[str, tuple[int, float, dict[str, float]]]:
     """{config key: (workers, CPUs per worker, Ray custom resources per worker)} of each group that asks for any."""
     a, c, r = p.actor_strategy, p.critic_strategy, p.rollout
+    frozen = p.frozen_cpus_per_worker
     groups = {
         f"{stage}.actor_strategy.resources": (a.num_workers, a.cpus_per_worker, a.resources),
         f"{stage}.critic_strategy.resources": (critic_workers(p), c.cpus_per_worker, c.resources),
-        f"{stage}.reward_resources": (reward_workers(p), p.frozen_cpus_per_worker, p.reward_resources),
-        f"{stage}.reference_resources": (reference_workers(p), p.frozen_cpus_per_worker, p.reference_resources),
+        f"{stage}.reward_resources": (reward_workers(p), frozen, p.reward_resources),
+        f"{stage}.reference_resources": (reference_workers(p, train_actor), frozen, p.reference_resources),
         f"{stage}.rollout.resources": (r.num_engines, r.cpus_per_engine, r.resources),
     }
     return {key: group for key, group in groups.items() if group[0] and group[2]}
@@ -179,10 +198,12 @@ def weight_sync_backend(stage: str, p: PPOConfig, device: str) -> str:
 
 
 def check_fits(
-    stage: str, p: PPOConfig, device: str, available: dict[str, float], nodes: list[dict[str, float]] | None = None
-) -> None:
+    stage: str, p: PPOConfig, device: str, available: dict[str, float], nodes: list[dict[str, float]] | None = None,
+    train_actor: bool = True,
+) -> None:  # fmt: skip
     """Refuse a layout that the cluster cannot place, naming what each role asks for. ``nodes``: each alive node's
-    resources, for the custom resources that pin roles (default: ``available`` taken as one node)."""
+    resources, for the custom resources that pin roles (default: ``available`` taken as one node). ``train_actor``:
+    False for the critic warm-up (``run``)."""
     r = p.rollout
     weight_sync_backend(stage, p, device)
     if r.enable_sleep and device != "cuda":
@@ -202,7 +223,7 @@ def check_fits(
                     f"'{stage}.offload_states_during_rollout' needs ZeRO stage 1, 2 or 3: "
                     f"'{stage}.{role}_strategy.zero_stage' is 0"
                 )
-    pinned = pinned_groups(stage, p)
+    pinned = pinned_groups(stage, p, train_actor)
     bundled = {  # roles placed in a colocation bundle: the bundle decides their node
         f"{stage}.actor_strategy.resources": p.colocate_all or p.colocate_actor_ref,
         f"{stage}.reference_resources": p.colocate_all or p.colocate_actor_ref,
@@ -214,15 +235,15 @@ def check_fits(
             raise ConfigError(f"'{key}' pins a colocated role, whose placement-group bundle decides its node: unset "
                               "it or the colocate_* key that places it")  # fmt: skip
     launcher.check_resources(pinned, nodes if nodes is not None else [available])
-    demand = resource_demand(p, device)
+    demand = resource_demand(p, device, train_actor)
     for resource, needed in demand.items():
         have = available.get(resource, 0)
         if needed > have:
             raise ConfigError(
                 f"{stage}: the roles need {needed:g} {resource} but the Ray cluster has {have:g} "
                 f"(actor {p.actor_strategy.num_workers}, critic {critic_workers(p)}, reward "
-                f"{reward_workers(p)}, reference {reference_workers(p)}, {p.rollout.num_engines} engine(s) x "
-                f"tensor_parallel_size {p.rollout.tensor_parallel_size}); lower "
+                f"{reward_workers(p)}, reference {reference_workers(p, train_actor)}, {p.rollout.num_engines} "
+                f"engine(s) x tensor_parallel_size {p.rollout.tensor_parallel_size}); lower "
                 f"'{stage}.rollout.num_engines' or the worker counts"
             )
 
@@ -326,6 +347,8 @@ class PPOController:
         self.weights = {key: p.reward_weights.get(key, 1.0) for key in reward_sources(p)}
         self.check_reward_sources()
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
+        # The critic warm-up's frozen actor is its own reference: its old log-probs are the reference's (no group).
+        self.ref_from_actor = needs_kl(p.algo) and actor_is_reference(p, train_actor)
         self.device = resolve_device(p.actor_strategy.device)
         # PPO steps in which the actor trains: its LR schedule spans only those (the frozen warm-up steps do not
         # count, so a decaying schedule completes on the last step).
@@ -362,9 +385,10 @@ class PPOController:
         from rlhf_core.distributed.rollout_engine import EngineGroup, create_engines
 
         p, t = self.p, self.p.train
-        demand = resource_demand(p, self.device)
+        demand = resource_demand(p, self.device, self.train_actor)
         self.started_ray = launcher.init_ray(min_cpus=demand["CPU"])
-        check_fits(self.stage, p, self.device, launcher.cluster_resources(), launcher.node_resources())
+        check_fits(self.stage, p, self.device, launcher.cluster_resources(), launcher.node_resources(),
+                   train_actor=self.train_actor)  # fmt: skip
 
         base = dict(
             stage=self.stage, micro_rollout_batch_size=t.micro_rollout_batch_size, algo=p.algo, seed=t.seed,
@@ -376,7 +400,7 @@ class PPOController:
             role="actor", model_path=self.st.sources["actor"], tokenizer_path=p.actor.tokenizer,
             init_seed=p.actor.init_seed, trust_remote_code=p.actor.trust_remote_code, strategy=p.actor_strategy,
             optim=p.actor_optim, total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps),
-            max_new_tokens=p.rollout.max_new_tokens, **base,
+            max_new_tokens=p.rollout.max_new_tokens, trains=self.train_actor, **base,
         )  # fmt: skip
         critic_ctx = None
         if p.critic is not None:
@@ -433,7 +457,7 @@ class PPOController:
                 zero_stage=p.frozen_zero_stage, offload=p.frozen_offload,  # 3: one ZeRO-3 copy over the workers
                 packing=p.actor_strategy.packing, placement=placement.get("critic"), share=share["critic"],
             )  # fmt: skip
-        if needs_reference(p.algo):
+        if needs_reference(p, self.train_actor):
             ref = p.reference or p.actor  # default: the actor's starting model, with the actor's model keys
             self.reference = launcher.RayWorkerGroup(
                 _slice_if_placed(frozen(p.reference_workers, p.reference_resources), "actor" in placement),
@@ -482,9 +506,10 @@ class PPOController:
         way the reward model was trained (at a final EOS) whether or not it stopped by itself. The reward function
         and the remote server get the raw ``prompts`` (one per prompt id) and the decoded responses, on the driver
         while the roles compute. ``exp.scores`` is the weighted sum of the sources (``reward_weights``; the reward
-        model's part normalised with its stored statistics). ``timer``: each role's forward as
-        ``experience_<role>`` (and ``experience_reward_fn``, ``experience_remote_rm``), its seconds from the dispatch
-        of the first role to its last result (they run concurrently)."""
+        model's part normalised with its stored statistics). The critic warm-up's frozen actor, when it is the
+        reference (``actor_is_reference``), gives the reference log-probs too: its old ones. ``timer``: each role's
+        forward as ``experience_<role>`` (and ``experience_reward_fn``, ``experience_remote_rm``), its seconds from the
+        dispatch of the first role to its last result (they run concurrently)."""
         assert self.actor is not None
         n = len(responses) // len(prompt_ids)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
@@ -526,10 +551,14 @@ class PPOController:
                 timer.add(f"experience_{role}", sec)
         if "reward" in out:
             parts["reward"] = torch.cat(out["reward"])
+        old_logprobs = torch.cat(out["actor"])
+        ref_logprobs = torch.cat(out["reference"]) if "reference" in out else None
+        if ref_logprobs is None and self.ref_from_actor:
+            ref_logprobs = old_logprobs
         exp = Experience.from_sequences(
-            seq, old_logprobs=torch.cat(out["actor"]), scores=self.combine(parts),
-            values=torch.cat(out["critic"]) if "critic" in out else None,
-            ref_logprobs=torch.cat(out["reference"]) if "reference" in out else None, truncated=truncated,
+            seq, old_logprobs=old_logprobs, scores=self.combine(parts),
+            values=torch.cat(out["critic"]) if "critic" in out else None, ref_logprobs=ref_logprobs,
+            truncated=truncated,
         )  # fmt: skip
         return Scored(exp, parts, keep)
 
@@ -543,7 +572,7 @@ class PPOController:
         return total
 
     def token_kl(self, exp: Experience, estimator: str) -> torch.Tensor:
-        """(B, T-1) KL to the reference on the action tokens; 0 without a reference model."""
+        """(B, T-1) KL to the reference on the action tokens; 0 without reference log-probs (no KL)."""
         if exp.ref_logprobs is None:
             return torch.zeros_like(exp.old_logprobs)
         return approx_kl(exp.old_logprobs, exp.ref_logprobs, exp.action_mask, estimator)
@@ -627,8 +656,10 @@ class PPOController:
             stats.update(out["actor_train"][0])
         if self.critic is not None:
             stats.update(out["critic_train"][0])
-        # The learning rates after this step's optimizer steps (the scheduler has stepped).
-        stats["actor_lr"] = self.actor.call(PolicyActor.lr)[0]
+        # The learning rates after this step's optimizer steps (the scheduler has stepped); the critic warm-up's
+        # actor has no optimizer.
+        if self.train_actor:
+            stats["actor_lr"] = self.actor.call(PolicyActor.lr)[0]
         if self.critic is not None:
             stats["critic_lr"] = self.critic.call(CriticActor.lr)[0]
         return stats
@@ -643,13 +674,13 @@ class PPOController:
     def move_training_states(self, offload: bool, timer: timing.PhaseTimer | None = None) -> None:
         """``offload_states_during_rollout``: actor and critic optimizer states and gradients to host memory while
         the engines generate (``offload``), back before training (``TrainableRole.offload_states`` /
-        ``reload_states``; nothing moves on CPU). Their weights stay for the experience forwards. ``timer``: both
-        moves as ``offload_states``."""
+        ``reload_states``; nothing moves on CPU). Their weights stay for the experience forwards; the critic
+        warm-up's actor has no such states. ``timer``: both moves as ``offload_states``."""
         if self.p.offload_states_during_rollout:
             assert self.actor is not None
             method = TrainableRole.offload_states if offload else TrainableRole.reload_states
             started = time.perf_counter()
-            groups = [g for g in (self.actor, self.critic) if g is not None]
+            groups = [g for g in (self.actor if self.train_actor else None, self.critic) if g is not None]
             launcher.wait([ref for g in groups for ref in g.call_async(method)])
             if timer is not None:
                 timer.add("offload_states", time.perf_counter() - started)
@@ -658,7 +689,7 @@ class PPOController:
     def evaluate(self) -> dict[str, float]:
         """One sampled response per held-out prompt (rollout temperature, a fixed seed, so the runs before and after
         training sample alike): mean gold reward, mean RM score, and KL to the reference (k1 summed per response;
-        left out when there is no reference model)."""
+        left out without a KL, ``needs_kl``)."""
         from rlhf_core.distributed.rollout_engine import SamplingConfig
 
         if not self.eval_prompts:
@@ -700,7 +731,8 @@ class PPOController:
         one after the other; ``experience_<role>`` run concurrently within ``experience`` and ``critic_train`` and
         ``actor_train`` within ``train``, each timed from the first dispatch to its group's last result."""
         p = self.p
-        roles = ["actor", *(["reference"] if needs_reference(p.algo) else []), *(["critic"] if p.critic else [])]
+        roles = ["actor", *(["reference"] if needs_reference(p, self.train_actor) else [])]
+        roles += ["critic"] if p.critic else []
         roles += ["reward"] if p.reward is not None else []
         roles += ["reward_fn"] if p.reward_fn is not None else []
         roles += ["remote_rm"] if p.remote_rm_url is not None else []
@@ -725,17 +757,21 @@ class PPOController:
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict) -> None:
+        """The trained roles' shards and the controller state; the critic warm-up's actor (its starting model, no
+        optimizer) has none."""
         assert self.actor is not None
         rel = checkpoint_rel(self.stage, state["step"])
-        files = self.actor.call(PolicyActor.save_shards, rel)[0]
+        files: dict[str, dict] = {}
+        # The ranks that wrote the shards: a resume with other counts is refused (jobs.common.check_resumable).
+        workers: dict[str, int] = {}
+        if self.train_actor:
+            files.update(self.actor.call(PolicyActor.save_shards, rel)[0])
+            workers["actor_strategy.num_workers"] = len(self.actor)
         if self.critic is not None:
             files.update(self.critic.call(CriticActor.save_shards, rel)[0])
+            workers["critic_strategy.num_workers"] = len(self.critic)
         state = dict(state, kl_ctl=self.kl_ctl.state_dict())
         files["controller_state.json"] = write_entry(self.store, f"{rel}/controller_state.json", json.dumps(state))
-        # The ranks that wrote the shards: a resume with other counts is refused (jobs.common.check_resumable).
-        workers = {"actor_strategy.num_workers": len(self.actor)}
-        if self.critic is not None:
-            workers["critic_strategy.num_workers"] = len(self.critic)
         self.store.commit(
             rel, stage=self.stage, config_hash=self.st.config_hash, files=files,
             extra={"step": state["step"], "workers": workers},
@@ -745,7 +781,8 @@ class PPOController:
 
     def load_checkpoint(self, rel: str) -> dict:
         assert self.actor is not None
-        self.actor.call(PolicyActor.load_shards, rel)
+        if self.train_actor:
+            self.actor.call(PolicyActor.load_shards, rel)
         if self.critic is not None:
             self.critic.call(CriticActor.load_shards, rel)
         state = json.loads(self.store.read_text(f"{rel}/controller_state.json"))
@@ -902,7 +939,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> Che
     p: PPOConfig = cfg.stage(stage)
     models = {"actor": p.actor}
     models.update({role: m for role, m in (("critic", p.critic), ("reward", p.reward)) if m is not None})
-    if needs_reference(p.algo):
+    if needs_reference(p, train_actor):
         models["reference"] = p.reference or p.actor
     st = common.setup_stage(cfg, stage, models)
     if st.done is not None:

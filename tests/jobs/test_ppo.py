@@ -31,6 +31,15 @@ def test_critic_warmup_trains_the_critic_only(ppo_inputs):
     store = ObjectStore(str(run_dir))
     assert store.read_manifest("critic_warmup").extra["upstream"].keys() >= {"sft", "critic_init"}
     AutoModelForSequenceClassification.from_pretrained(str(run_dir / "critic_warmup"))
+    # The frozen actor is its own reference (tiny: reference null): no reference group, the KL is 0 without one. And
+    # it has no optimizer: no learning rate, nothing in the checkpoint, where the critic's shards hold its Adam states.
+    out = json.loads((run_dir / "critic_warmup" / "metrics.json").read_text())
+    assert out["roles"] == {"actor": 1, "critic": 1, "reward": 1, "reference": 0, "engines": 1}
+    assert all(h["kl"] == 0.0 and h["kl_token_mean"] == 0.0 and "actor_lr" not in h for h in out["history"])
+    checkpoint = store.read_manifest("critic_warmup/checkpoints/step_00000001")
+    assert checkpoint.extra["workers"] == {"critic_strategy.num_workers": 1}
+    assert {name.split("/")[0] for name in checkpoint.files} == {"critic", "controller_state.json"}
+    assert any(name.endswith("optim_states.pt") for name in checkpoint.files), checkpoint.files
     # The supervised stages' checkpoints record the ranks that wrote them (a resume with another count is refused).
     sft_checkpoints = sorted(store.list_dirs("sft/checkpoints"))
     assert sft_checkpoints
@@ -150,6 +159,8 @@ def test_ppo_resumes_at_the_checkpoint_without_skipping_or_repeating_prompts(run
 
     ref = run_ppo(run_dir, *overrides)
     assert ref.metrics["resumed_from_step"] == 2
+    # The actor trains after its frozen step, away from its starting model: the KL needs the reference group.
+    assert json.loads((run_dir / "ppo" / "metrics.json").read_text())["roles"]["reference"] == 1
     history = history_of(run_dir)
     consumed = [i for h in history for i in h["prompts"]]
     expected = [i for step in range(4) for i in global_batch(1000, 16, step, seed=42)]
@@ -180,6 +191,7 @@ def _live_placement_groups() -> set[str]:
     return {pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"}
 
 
+@pytest.mark.extended  # placement layouts beyond the default one, which every PPO test in make test runs
 @pytest.mark.parametrize(
     "layout",
     [
