@@ -24,7 +24,8 @@ want=$(sha256sum "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
 # than in the first stage or test that offloads its optimizer: about 90 s on a fresh machine.
 build_cpu_adam() {
   local dir=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
-  compgen -G "$dir/*/cpu_adam/cpu_adam*.so" >/dev/null && return 0
+  compgen -G "$dir/cpu_adam/cpu_adam*.so" >/dev/null || compgen -G "$dir/*/cpu_adam/cpu_adam*.so" >/dev/null \
+    && return 0
   echo "setup: compiling DeepSpeed's CPU Adam op into $dir (about 90 s, once)"
   TORCH_EXTENSIONS_DIR=$dir "$VENV/bin/python" -c \
     "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" >/dev/null 2>&1 \
