@@ -306,6 +306,7 @@ def test_a_task_retry_resumes_ppo_from_its_checkpoint(failed_then_resumed, tmp_p
     assert "| sft | Cached | not run: output committed for this config |" in summary_markdown(summary)
 
 
+@pytest.mark.extended  # make test: the same two instances, tasks and caching in tests/flows/test_terminal.py
 def test_two_instances_of_one_kind_are_two_cached_tasks(prefect_server, tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 

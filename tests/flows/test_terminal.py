@@ -1,7 +1,8 @@
 """What ``rlhf run`` shows on a terminal and in a log file, on a real run of two SFT stages (``sft_chain``; the test's
 Prefect server and Ray, as in test_faults.py): in a pseudo-terminal (``script``) live progress bars with step k/N and
 an ETA; then, with stdout a file and an override that changes only the second stage, plain lines: the first stage
-Cached, the second one's steps. The display is the same for every stage kind (it reads the jobs' step events).
+Cached, the second one's steps. The display is the same for every stage kind (it reads the jobs' step events). The
+same two runs show two instances of one stage kind as two tasks, each named after its instance and cached on its own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 import pytest
 
+from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
 from tests.flows.test_faults import RLHF, env, stages_launched, states  # noqa: F401 (env: a fixture)
 
@@ -45,8 +47,12 @@ def test_a_terminal_shows_live_bars_and_a_log_file_plain_lines_with_the_cached_s
     text = ANSI.sub("", out)
     assert re.search(r"sft_a +━+ step 32/32 [\d.]+ steps/s", text), text[-3000:]
     assert re.search(r"step \d+/32 [\d.]+ steps/s ETA \d+s", text), text[-3000:]  # sft_a, mid-stage
-    assert "Completed in" in text and "Task run 'sft_a'" in text  # the final states, and the log above the bars
+    assert "Completed in" in text  # the final states, and above the bars the log: one task run per instance
+    assert "Task run 'sft_a'" in text and "Task run 'sft_b'" in text
     assert states(run_dir) == {"sft_a": "Completed", "sft_b": "Completed"}
+    assert stages_launched(run_dir) == ["sft_a", "sft_b"]
+    store = ObjectStore(str(run_dir))  # the second instance records the output it started from
+    assert store.read_manifest("sft_b").extra["upstream"] == {"sft_a": store.read_manifest("sft_a").config_hash}
 
     # 2. stdout to a file (the flow's log, on stderr, to another: Ray's colored prefixes stay in job lines), only
     # sft_b changed: plain lines
