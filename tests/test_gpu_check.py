@@ -23,6 +23,8 @@ def records(stdout: str) -> list[dict]:
 
 
 @pytest.mark.slow
+# the GPU check's own script on CPU; make test proves the device path itself (tests/distributed/test_device.py)
+@pytest.mark.extended
 def test_dry_run_reports_every_check_and_passes():
     proc = run("--dry-run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -135,7 +135,6 @@ def test_zero3_construction_keeps_the_fixed_seed_weights_of_the_plain_build(two_
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # memory at 1 GB scale; make test keeps ZeRO-3 construction (above) and ZeRO-3 training
 def test_zero3_construction_of_a_1gb_model_stays_well_under_its_size_on_each_rank(two_rank_builds):
     """A 337M-parameter (1.35 GB fp32) Llama built from config under ZeRO-3 on 2 CPU ranks: each rank holds half the
     parameters and its memory never grows by anything near the full model while it is built."""

@@ -147,6 +147,8 @@ def assert_no_scratch(env: dict) -> None:
     assert not left, f"scratch folders left behind: {left}"
 
 
+# make test: a partial checkpoint is never read (tests/jobs/test_store_outage.py), a killed job resumes (below)
+@pytest.mark.extended
 def test_machine_loss_during_a_checkpoint_write_resumes_from_the_newest_complete_one(env, tmp_path, sft_a_done):
     run_dir, log = seeded(tmp_path / "ckpt" / "run", sft_a_done), tmp_path / "run.log"
     proc = run_chain(run_dir, env, log, RLHF_UPLOAD_PAUSE_S="0.5")
