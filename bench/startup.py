@@ -46,7 +46,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))  # as the Makefile
 
 ROOT = Path(__file__).resolve().parent.parent
 _STEP_TIME = re.compile(r"\((\d+(?:\.\d+)?)s\)\s*$")

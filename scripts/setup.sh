@@ -20,10 +20,11 @@ LOCK=requirements/cpu-lock.txt
 STAMP="$VENV/.lock-sha256"
 want=$(sha256sum "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
 
-# DeepSpeed's CPU Adam op (optimizer offload), compiled once into TORCH_EXTENSIONS_DIR (the Makefile sets it) rather
-# than in the first stage or test that offloads its optimizer: about 90 s on a fresh machine.
+# DeepSpeed's CPU Adam op (optimizer offload), compiled once into TORCH_EXTENSIONS_DIR (the Makefile sets it to
+# $VENV/torch_extensions) rather than in the first stage or test that offloads its optimizer: about 90 s on a fresh
+# machine. Kept per environment: an op built against another venv's headers is rebuilt by the first job that loads it.
 build_cpu_adam() {
-  local dir=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+  local dir=${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}
   compgen -G "$dir/cpu_adam/cpu_adam*.so" >/dev/null || compgen -G "$dir/*/cpu_adam/cpu_adam*.so" >/dev/null \
     && return 0
   echo "setup: compiling DeepSpeed's CPU Adam op into $dir (about 90 s, once)"
