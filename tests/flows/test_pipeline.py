@@ -236,12 +236,13 @@ def test_cancelling_a_running_flow_leaves_no_job_process(prefect_server, work_po
 @pytest.fixture(scope="module")
 def failed_then_resumed(deployed_run, tmp_path_factory):
     """A run whose PPO stage fails on purpose after its first checkpoint, then the same run again. It starts from the
-    deployed run's committed stages with one change, the reward model's learning rate: SFT is found complete for its
-    config (``save_steps`` is not hashed) and not launched; the reward model and what follows it run again."""
+    deployed run's committed stages with one change, the critic warm-up's learning rate: SFT, the reward model and
+    the critic's initialisation are found complete for their configs (``save_steps`` is not hashed) and not launched;
+    the critic warm-up and what follows it (PPO, whose inputs it is) run again."""
     run_dir = tmp_path_factory.mktemp("resume") / "run"
     shutil.copytree(deployed_run[1], run_dir, ignore=shutil.ignore_patterns("ppo", "_prefect", "_launches"))
     params = PipelineParams(preset="tiny", run_name="resume-test", run_uri=str(run_dir), task_retries=0,
-                            overrides=[*FAST, "ppo.train.save_steps=2", "reward_model.optim.lr=1.5e-3"])  # fmt: skip
+                            overrides=[*FAST, "ppo.train.save_steps=2", "critic_warmup.critic_optim.lr=1e-3"])  # fmt: skip
     mp = pytest.MonkeyPatch()
     mp.setenv("RLHF_FAIL_AFTER_STEP", "2")
     with pytest.raises(Exception, match="injected failure after checkpoint at step 2"):
@@ -253,10 +254,10 @@ def failed_then_resumed(deployed_run, tmp_path_factory):
     return run_dir, params, failed, launched_first, resumed
 
 
-def test_changing_the_reward_model_config_reruns_it_and_what_follows(failed_then_resumed):
+def test_changing_a_stage_config_reruns_it_and_what_follows(failed_then_resumed):
     _, _, failed, launched_first, _ = failed_then_resumed
-    assert states(failed) == {"sft": "Cached", **dict.fromkeys(STAGES[1:4], "Completed"), "ppo": "Failed"}
-    assert launched_first == STAGES[1:]
+    assert states(failed) == {**dict.fromkeys(STAGES[:3], "Cached"), "critic_warmup": "Completed", "ppo": "Failed"}
+    assert launched_first == ["critic_warmup", "ppo"]
 
 
 def test_rerun_of_a_failed_run_skips_finished_stages_and_resumes_ppo(failed_then_resumed):
