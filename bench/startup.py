@@ -64,7 +64,8 @@ class StageTiming:
 
     def results(self) -> dict:
         """The stage's final metrics without the clocks (what before and after must agree on)."""
-        return {k: v for k, v in self.final.items() if k != "startup_s" and not k.startswith("timing/")}
+        clocks = ("startup_s", "eval_before_s")
+        return {k: v for k, v in self.final.items() if k not in clocks and not k.startswith("timing/")}
 
     @property
     def startup_s(self) -> float:
@@ -212,8 +213,10 @@ def _run_all(args: argparse.Namespace, cfg, order: list[str], sides: dict, runs:
                 t = run_stage(root, args.config, stage, cfg.kind(stage), run_uri, args.overrides, env,
                               out / side / f"{stage}-{r}.log")  # fmt: skip
                 runs[side][stage].append(t)
+                evaluating = t.final.get("eval_before_s")  # PPO kinds: the evaluation before the first step
                 print(f"{side:6s} {stage:14s} startup {_fmt(t.startup_s):>6s} s (metrics {_fmt(t.metrics_s)}, "
-                      f"stdout {_fmt(t.stdout_s)}), job {t.wall_s:.1f} s", flush=True)  # fmt: skip
+                      f"stdout {_fmt(t.stdout_s)}" + (f", of it evaluating {_fmt(evaluating)}" if evaluating else "")
+                      + f"), job {t.wall_s:.1f} s", flush=True)  # fmt: skip
 
 
 def _report(args: argparse.Namespace, order: list[str], sides: dict, runs: dict, out: Path) -> None:

@@ -99,9 +99,9 @@ class VLLMEngine:
         model_path = local_model_path(model_path)  # a StageModel (a stage output): this node's copy
         # Read by vLLM's CPU backend when the engine starts (ignored on GPU, where gpu_memory_utilization rules).
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-        # vLLM's engine core in this actor's process, not in a process of its own (as OpenRLHF runs it): this actor
-        # is already the engine's process, and the extra one (importing torch and vLLM again, then its worker) made
-        # the engine start take about 33 s instead of 8 on 2 CPU cores. Set the variable to 1 to get vLLM's default.
+        # vLLM's engine core in this actor's process, not in a process of its own: this actor is already the engine's
+        # process, and the extra one (importing torch and vLLM again, then its worker) made the engine start take
+        # about 33 s instead of 8 on 2 CPU cores. Set the variable to 1 to get vLLM's default.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import vllm
         from vllm.platforms import current_platform

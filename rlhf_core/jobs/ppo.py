@@ -804,13 +804,17 @@ class PPOController:
                 self.push_weights()  # the engines start from the initial policy: give them the checkpointed one
         resumed_from = state["step"]
         engine_lp_start, _ = self.probe_logprobs()
+        eval_before_s = 0.0  # the evaluation before training, within the start-up (none on a resume: it is saved)
         if state["before"] is None:
+            t0 = time.perf_counter()
             state["before"] = self.evaluate()
+            eval_before_s = time.perf_counter() - t0
             print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
 
         fail_after = common.fail_after_step()
         startup_s = timing.since_job_start()
-        print(f"[{stage}] first step {startup_s:.1f}s after the job started", flush=True)
+        print(f"[{stage}] first step {startup_s:.1f}s after the job started ({eval_before_s:.1f}s of it evaluating "
+              f"{len(self.eval_prompts)} prompts)", flush=True)  # fmt: skip
         for step in range(state["step"], self.steps):
             timer = timing.PhaseTimer(self.step_phases())
             # 1. rollout: step k reads prompts [k*R, (k+1)*R) of the seeded prompt stream
@@ -869,7 +873,8 @@ class PPOController:
 
         after = self.evaluate()
         print(f"[{stage}] after: {_fmt(after)}", flush=True)
-        metrics: dict[str, Any] = {"steps": self.steps, "resumed_from_step": resumed_from, "startup_s": startup_s}
+        metrics: dict[str, Any] = {"steps": self.steps, "resumed_from_step": resumed_from, "startup_s": startup_s,
+                                   "eval_before_s": eval_before_s}  # fmt: skip
         # Proof of the weight sync: the engines now compute what the trained actor computes.
         engine_lp, actor_lp = self.probe_logprobs()
         metrics["sync_engine_vs_actor_max_diff"] = max(abs(a - b) for a, b in zip(engine_lp, actor_lp))

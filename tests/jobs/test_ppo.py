@@ -82,6 +82,7 @@ def test_ppo_raises_the_gold_reward_of_the_sft_policy(run_dir):
     assert m["kl_to_ref_before"] == pytest.approx(0.0, abs=1e-5) and m["kl_to_ref_after"] > 0, m
     assert m["sync_engine_vs_actor_max_diff"] < 1e-5, m
     assert m["rollout_logprob_max_diff"] < 1e-4, m
+    assert 0 < m["eval_before_s"] < m["startup_s"], m  # the evaluation before training is part of the start-up
     history = history_of(run_dir)
     assert [h["step"] for h in history] == list(range(1, 13))
     assert all(0.0 <= h["truncated_frac"] <= 1.0 for h in history)
