@@ -186,31 +186,30 @@ def test_machine_loss_right_after_a_manifest_commit_does_not_relaunch_the_stage(
     assert_no_scratch(env)
 
 
-def test_a_job_killed_with_sigkill_is_retried_and_resumes_from_its_checkpoint(env, tmp_path, sft_a_done):
-    run_dir, log = seeded(tmp_path / "jobkill" / "run", sft_a_done), tmp_path / "run.log"
-    proc, job = at_sft_b_first_checkpoint(run_dir, env, log)
-    os.kill(job, signal.SIGKILL)
-
-    assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
-    assert states(run_dir) == {"sft_a": "Cached", "sft_b": "Completed"}
-    assert stages_launched(run_dir) == ["sft_b", "sft_b"]  # the task's retry
-    assert stage_metrics(run_dir, "sft_b")["resumed_from_step"] >= 1
-    stray = [p.pid for p in psutil.process_iter() if _session(p) == job]
-    assert not stray, f"processes of the killed job are still there: {stray}"
-    assert_no_scratch(env)
-
-
-def test_killing_the_orchestrator_stops_its_job_and_an_immediate_resume_never_makes_two_writers(
+def test_a_killed_job_is_retried_then_a_killed_orchestrator_is_resumed_at_once_never_with_two_writers(
     env, tmp_path, sft_a_done
 ):
-    run_dir, log = seeded(tmp_path / "orch" / "run", sft_a_done), tmp_path / "run.log"
-    proc, old = at_sft_b_first_checkpoint(run_dir, env, log)
+    """One run, two faults. The job is killed with SIGKILL after sft_b's first checkpoint: the task retries and the
+    retry resumes from it. Then the orchestrator alone is killed once that retry has committed a newer checkpoint:
+    the retry stops itself (its launcher is gone), and an ``rlhf resume`` started at once never has a second writer
+    of sft_b while the old one lives; it resumes from the newest checkpoint and completes."""
+    run_dir, log = seeded(tmp_path / "faults" / "run", sft_a_done), tmp_path / "run.log"
+    proc, first = at_sft_b_first_checkpoint(run_dir, env, log)
+    os.kill(first, signal.SIGKILL)
+
+    # The task's retry: a second launch that takes the lease over (the killed job's process is gone) and resumes.
+    # Once it has committed a checkpoint of its own, the orchestrator is killed. (The killed job's trainer may still
+    # commit a checkpoint or two in the seconds before Ray stops it: only a checkpoint after the takeover counts.)
+    retry = wait_for(lambda: launches(run_dir)[1:2], proc, log)[0]
+    old, lease = retry["pid"], run_dir / "_leases" / "sft_b.json"
+    wait_for(lambda: _holder(lease) == old, proc, log)
+    taken_at = max(checkpoints(run_dir, "sft_b")[0])
+    wait_for(lambda: max(checkpoints(run_dir, "sft_b")[0]) > taken_at, proc, log)
     os.kill(proc.pid, signal.SIGKILL)  # the orchestrator only: its job lives on in its own session
     proc.wait(timeout=30)
 
     second = start_resume(run_dir, env, log)
-    lease, old_gone_after = run_dir / "_leases" / "sft_b.json", None
-    started = time.time()
+    old_gone_after, started = None, time.time()
     while second.poll() is None and time.time() - started < 600:
         alive = _running(old)
         if old_gone_after is None and not alive:
@@ -220,9 +219,12 @@ def test_killing_the_orchestrator_stops_its_job_and_an_immediate_resume_never_ma
         time.sleep(0.05)
     assert second.wait(timeout=60) == 0, log.read_text()[-4000:]
     assert old_gone_after is not None and old_gone_after < 40  # the job stopped once its orchestrator was gone
-    assert states(run_dir)["sft_b"] == "Completed"
-    assert stages_launched(run_dir) == ["sft_b", "sft_b"]
+    assert states(run_dir) == {"sft_a": "Cached", "sft_b": "Completed"}
+    assert stages_launched(run_dir) == ["sft_b", "sft_b", "sft_b"]  # the job, the task's retry, the resumed run's
+    assert stage_metrics(run_dir, "sft_b")["resumed_from_step"] > taken_at
     assert not lease.exists()  # given back
+    stray = [p.pid for p in psutil.process_iter() if _session(p) in (first, old)]
+    assert not stray, f"processes of the killed or stopped jobs are still there: {stray}"
     assert_no_scratch(env)
 
 
