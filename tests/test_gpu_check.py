@@ -50,6 +50,7 @@ def test_dry_run_reports_every_check_and_passes():
     assert by_check["attention_flash_attention_2"]["skipped"] == "flash_attention_2 needs CUDA"
 
 
+@pytest.mark.slow  # the script's own processes
 def test_bad_arguments_are_refused_with_one_line():
     proc = run("--dry-run", "--bogus", timeout=30)
     assert proc.returncode == 2 and "unknown argument '--bogus'" in proc.stderr

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import ROOT
 
 GUARD = ROOT / "scripts" / "time_limit.sh"
@@ -25,6 +27,7 @@ def guard(limit_s: int, *command: str, cwd=ROOT) -> subprocess.CompletedProcess:
                           text=True, timeout=120)  # fmt: skip
 
 
+@pytest.mark.slow  # a pytest run held past its limit
 def test_a_deliberately_slowed_run_is_stopped_and_fails_with_the_limit_named(tmp_path):
     (tmp_path / "test_slow.py").write_text(SLOW_SUITE)
     start = time.monotonic()

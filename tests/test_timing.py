@@ -43,6 +43,7 @@ def test_summary_and_phase_rows():
     assert timing.phase_rows({"steps": 2, "loss": 1.0}) == []
 
 
+@pytest.mark.slow  # Ray tasks: make test, not test-fast
 def test_wait_timed_gives_each_group_its_time_to_completion(ray_cluster):
     import ray
 

@@ -58,6 +58,7 @@ def experience(critic_values: torch.Tensor, seq: SequenceBatch) -> Experience:
     return exp.with_advantages(torch.zeros_like(critic_values), returns)
 
 
+@pytest.mark.slow  # Ray role actors: make test, not test-fast
 def test_critic_groups_normalise_values_and_weigh_every_window_token_alike(ray_cluster, tmp_path):
     """One-rank critic groups: values on the normalised reward scale, typed calls checked before sending, and one
     window of 4 rows as 2 micro-batches of 2 (unequal token counts) gives the same update as 1 micro-batch of 4."""

@@ -69,6 +69,7 @@ def test_bad_preference_data_is_refused_before_training_with_file_and_row(tmp_pa
     assert not (tmp_path / "run" / kind).exists()  # nothing written
 
 
+@pytest.mark.slow  # a job process; the refusals themselves run in test-fast
 def test_the_job_cli_refuses_bad_pairs_with_one_line_and_status_2(tmp_path):
     data = pairs_file(tmp_path / "pairs.jsonl", [GOOD, BAD_ROWS["chosen equal to rejected"][0]])
     preset = PRESETS / "tiny-dpo.yaml"
