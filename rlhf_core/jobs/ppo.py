@@ -813,8 +813,8 @@ class PPOController:
 
         fail_after = common.fail_after_step()
         startup_s = timing.since_job_start()
-        print(f"[{stage}] first step {startup_s:.1f}s after the job started ({eval_before_s:.1f}s of it evaluating "
-              f"{len(self.eval_prompts)} prompts)", flush=True)  # fmt: skip
+        evaluating = f" ({eval_before_s:.1f}s of it evaluating {len(self.eval_prompts)} prompts)" if eval_before_s else ""
+        print(f"[{stage}] first step {startup_s:.1f}s after the job started{evaluating}", flush=True)
         for step in range(state["step"], self.steps):
             timer = timing.PhaseTimer(self.step_phases())
             # 1. rollout: step k reads prompts [k*R, (k+1)*R) of the seeded prompt stream
