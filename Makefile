@@ -4,9 +4,6 @@ PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
-# DeepSpeed's compiled ops (CPU Adam, shared-memory comm) live in the environment they were built against, so tests
-# and CI pay the build once, and two checkouts (two venvs) never rebuild each other's ops in a shared cache.
-export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
 .PHONY: setup demo lint format test test-all test-fast gpu-wheels gpu-check clean
 

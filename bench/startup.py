@@ -46,7 +46,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))  # as the Makefile
+# What import_deepspeed sets in the jobs of the current code, for a baseline's code from before it: both sides load
+# the CPU Adam op make setup built, instead of a baseline job compiling one (about 90 s) inside its start-up.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 ROOT = Path(__file__).resolve().parent.parent
 _STEP_TIME = re.compile(r"\((\d+(?:\.\d+)?)s\)\s*$")

@@ -20,16 +20,16 @@ LOCK=requirements/cpu-lock.txt
 STAMP="$VENV/.lock-sha256"
 want=$(sha256sum "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
 
-# DeepSpeed's CPU Adam op (optimizer offload), compiled once into TORCH_EXTENSIONS_DIR (the Makefile sets it to
-# $VENV/torch_extensions) rather than in the first stage or test that offloads its optimizer: about 90 s on a fresh
-# machine. Kept per environment: an op built against another venv's headers is rebuilt by the first job that loads it.
+# DeepSpeed's CPU Adam op (optimizer offload), compiled once rather than in the first stage or test that offloads its
+# optimizer: about 90 s on a fresh machine. Where every job looks for it (import_deepspeed in
+# rlhf_core/distributed/strategy.py): TORCH_EXTENSIONS_DIR, else the venv's torch_extensions/.
 build_cpu_adam() {
   local dir=${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}
   compgen -G "$dir/cpu_adam/cpu_adam*.so" >/dev/null || compgen -G "$dir/*/cpu_adam/cpu_adam*.so" >/dev/null \
     && return 0
   echo "setup: compiling DeepSpeed's CPU Adam op into $dir (about 90 s, once)"
-  TORCH_EXTENSIONS_DIR=$dir "$VENV/bin/python" -c \
-    "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" >/dev/null 2>&1 \
+  "$VENV/bin/python" -c "from rlhf_core.distributed.strategy import import_deepspeed; import_deepspeed(); \
+from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" >/dev/null 2>&1 \
     || { echo "setup: compiling DeepSpeed's CPU Adam op failed" >&2; exit 1; }
 }
 

@@ -178,7 +178,12 @@ def import_deepspeed() -> Any:
     that ``import deepspeed`` takes, in every worker of every stage, for autotuning, which nothing here runs. While
     DeepSpeed loads, ``sys.modules["mlflow"]`` is None (an import of it raises ImportError, which the autotuner takes
     as "not installed"); the entry is removed right after, so the MLflow tracker (``rlhf_core.tracking``) still
-    imports the real package. A process that imported mlflow before is left as it is."""
+    imports the real package. A process that imported mlflow before is left as it is.
+
+    DeepSpeed's JIT-compiled ops (CPU Adam) go to ``<environment>/torch_extensions`` unless ``TORCH_EXTENSIONS_DIR``
+    is set: an op lives with the torch and DeepSpeed headers it was built against (``make setup`` builds it there), so
+    two environments never rebuild each other's op in a shared cache (about 90 s each time)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
         sys.modules["mlflow"] = None  # type: ignore[assignment]
         try:

@@ -30,6 +30,7 @@ import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.jobs import sft
+from rlhf_core.lease import LEASE_DIR
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
 
@@ -124,6 +125,10 @@ def wait_for(what, proc: subprocess.Popen, log: Path, timeout_s: float = 300, po
     raise AssertionError(f"timed out:\n{log.read_text()[-4000:]}")
 
 
+def newest_committed(run_dir: Path, stage: str) -> int:
+    return max(checkpoints(run_dir, stage)[0])
+
+
 def at_sft_b_first_checkpoint(run_dir: Path, env: dict, log: Path) -> tuple[subprocess.Popen, int]:
     """The chain running (uploads slowed a little) until sft_b has committed a checkpoint: (orchestrator, sft_b's
     job pid)."""
@@ -201,10 +206,10 @@ def test_a_killed_job_is_retried_then_a_killed_orchestrator_is_resumed_at_once_n
     # Once it has committed a checkpoint of its own, the orchestrator is killed. (The killed job's trainer may still
     # commit a checkpoint or two in the seconds before Ray stops it: only a checkpoint after the takeover counts.)
     retry = wait_for(lambda: launches(run_dir)[1:2], proc, log)[0]
-    old, lease = retry["pid"], run_dir / "_leases" / "sft_b.json"
+    old, lease = retry["pid"], run_dir / LEASE_DIR / "sft_b.json"
     wait_for(lambda: _holder(lease) == old, proc, log)
-    taken_at = max(checkpoints(run_dir, "sft_b")[0])
-    wait_for(lambda: max(checkpoints(run_dir, "sft_b")[0]) > taken_at, proc, log)
+    taken_at = newest_committed(run_dir, "sft_b")
+    wait_for(lambda: newest_committed(run_dir, "sft_b") > taken_at, proc, log)
     os.kill(proc.pid, signal.SIGKILL)  # the orchestrator only: its job lives on in its own session
     proc.wait(timeout=30)
 
