@@ -5,7 +5,8 @@
     rlhf stage NAME PRESET [key=value ...] [--run-name NAME]             one stage instance (its inputs must exist)
     rlhf compare RUN_A RUN_B [...] [--out DIR]                           overlay the runs' curves, final metrics
 
-``--shared-ray`` (run, stage): one Ray for the run's stage jobs, started by the flow (``shared_ray``).
+Each run starts one Ray for its stage jobs and stops it at the end (``shared_ray``); ``--no-shared-ray`` (run,
+stage): each job starts its own.
 
 Without PREFECT_API_URL it uses Prefect's temporary local server; with it, the runs appear on that server.
 Progress (``flows.console``): live bars per stage when stdout is a terminal, plain step lines otherwise, above or
@@ -63,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--run-uri", default=None, help="where artifacts go (default runs/<run name>)")
     for p in (run_p, stage_p):
         p.add_argument("--run-name", default=None, help="default: the preset's name")
-        p.add_argument("--shared-ray", action="store_true", help="one Ray for the run's stage jobs (shared_ray)")
+        p.add_argument("--shared-ray", action=argparse.BooleanOptionalAction, default=True,
+                       help="one Ray for the run's stage jobs, started and stopped by the run (shared_ray; "
+                       "--no-shared-ray: each job starts its own)")  # fmt: skip
     args = parser.parse_args(argv)
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

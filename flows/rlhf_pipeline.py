@@ -46,9 +46,10 @@ class PipelineParams(BaseModel):
     )
     stages: list[str] | None = Field(None, description="Run only these stage instances (their inputs must exist).")
     task_retries: int = Field(2, ge=0, description="Retries of a failed stage (each resumes from its checkpoint).")
-    shared_ray: bool = Field(False, description="One Ray for the run: the flow starts a local Ray head and every "
-                             "stage job joins it instead of starting its own Ray (seconds per stage; the workers are "
-                             "then the head's processes, not the job's). Ignored when RAY_ADDRESS is set.",
+    shared_ray: bool = Field(True, description="One Ray for the run: the flow starts a local Ray head, every stage "
+                             "job joins it instead of starting its own Ray (seconds per stage; the workers are then "
+                             "the head's processes, not the job's), and the head stops with the run. False: each job "
+                             "starts its own Ray. Ignored when RAY_ADDRESS is set (the jobs join that cluster).",
                              )  # fmt: skip
 
 

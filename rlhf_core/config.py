@@ -181,7 +181,9 @@ class RolloutConfig:
     num_engines: int = opt(1, "Rollout engines (Ray actors).")
     tensor_parallel_size: int = opt(1, "Devices per vLLM engine.")
     cpus_per_engine: float = opt(1.0, "Ray CPUs reserved per engine.")
-    kv_cache_gib: int = opt(1, "vLLM CPU KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_gib: float | None = opt(
+        None, "vLLM CPU KV-cache size in GiB; null = room for 256 sequences of the longest length, at most 1 GiB."
+    )
     gpu_memory_utilization: float = opt(
         0.9, "vLLM's share of each GPU for weights and KV cache (GPU only; lower it with colocate_all, e.g. 0.4)."
     )
@@ -980,6 +982,7 @@ def _validate_sampling(name: str, r: RolloutConfig) -> None:
     _check(r.tensor_parallel_size >= 1, f"{name}.rollout.tensor_parallel_size", r.tensor_parallel_size, ">= 1")
     _check(0 < r.gpu_memory_utilization <= 1, f"{name}.rollout.gpu_memory_utilization", r.gpu_memory_utilization,
            "must be in (0, 1]")  # fmt: skip
+    _check(r.kv_cache_gib is None or r.kv_cache_gib > 0, f"{name}.rollout.kv_cache_gib", r.kv_cache_gib, "must be > 0")
     _check(r.n_samples_per_prompt >= 1, f"{name}.rollout.n_samples_per_prompt", r.n_samples_per_prompt, ">= 1")
     _check(r.max_new_tokens >= 1, f"{name}.rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
     _check(r.temperature >= 0, f"{name}.rollout.temperature", r.temperature, "must be >= 0")
@@ -1144,7 +1147,8 @@ def _check(ok: bool, key: str, value: Any, why: str) -> None:
 _NOT_HASHED = {
     "save_steps", "keep_last", "log_steps", "num_workers", "cpus_per_worker", "threads_per_worker",
     "resources", "reward_resources", "reference_resources", "weight_sync_backend", "weight_sync_bucket_mb",
-    "enable_sleep", "offload_states_during_rollout", "gpu_memory_utilization", "enforce_eager", "frozen_offload",
+    "enable_sleep", "offload_states_during_rollout", "gpu_memory_utilization", "kv_cache_gib", "enforce_eager",
+    "frozen_offload",
 }  # fmt: skip
 _SECRETS = {"key", "secret"}
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,13 +27,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
-
 from rlhf_core.config import PipelineConfig
 from rlhf_core.events import EVENTS_ENV, read_new
 from rlhf_core.jobs.common import ORCHESTRATOR_ENV
 from rlhf_core.ports import free_port
 from rlhf_core.storage import ObjectStore
+from tasks._procs import HEAD_GRACE_S, kill_cluster, kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 _LIVE: dict[int, subprocess.Popen] = {}  # job pid -> process, for the cancellation and crash hooks
@@ -53,29 +50,6 @@ class StageJobError(RuntimeError):
     def bad_input(self) -> bool:
         """Exit status 2: the job refused its config or data before starting work; a retry cannot help."""
         return self.exit_code == 2
-
-
-def kill_tree(pid: int, grace_s: float = 10.0) -> list[int]:
-    """Stop ``pid`` and all its descendants (and its process group); returns the pids that were alive."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    _signal(procs, pid, signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    _signal(alive, pid, signal.SIGKILL)
-    psutil.wait_procs(alive, timeout=5)
-    return [p.pid for p in procs]
-
-
-def _signal(procs: list[psutil.Process], group: int, sig: int) -> None:
-    """Send ``sig`` to each process and to the process group ``group`` (the job's session)."""
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(sig)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, sig)
 
 
 def kill_all_jobs() -> None:
@@ -103,7 +77,7 @@ def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]
     ``ray start --head --block`` in a session of its own, on loopback, with its own temp dir and free ports (other
     Rays on the machine are left alone), CPUs as a job's own local Ray would get (the machine's, at least
     ``cpus``), GPUs detected. Stopped by pid when the context ends (never ``ray stop``, which stops every Ray of the
-    machine), and by ``kill_all_jobs``."""
+    machine), by ``kill_all_jobs``, and by its guard (``guard_head``) when this process is gone without either."""
     temp = Path(tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     port = free_port("127.0.0.1")
     ports = [f"--{name}={free_port('127.0.0.1')}" for name in ("dashboard-port", "ray-client-server-port",
@@ -114,8 +88,9 @@ def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]
            "--node-ip-address=127.0.0.1", f"--num-cpus={n}", "--include-dashboard=false", f"--temp-dir={temp}",
            "--disable-usage-stats", *ports]  # fmt: skip
     log = temp / "ray-start.log"
+    guard = [sys.executable, "-m", "tasks._procs", "guard-head", str(os.getpid()), str(temp), "--", *cmd]
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(cmd, env={**os.environ, **HEAD_ENV}, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(guard, cwd=ROOT, env={**os.environ, **HEAD_ENV}, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
     _HEADS[proc.pid] = (proc, temp)
     try:
@@ -130,20 +105,16 @@ def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]
 
 
 def _stop_head(pid: int) -> None:
-    """SIGTERM the head's session (its GCS, raylet and workers), then SIGKILL whatever of that cluster is left: the
-    processes whose command line names its temp dir."""
+    """SIGTERM the head's session (its guard, GCS, raylet and workers), then SIGKILL whatever of that cluster is
+    left after ``HEAD_GRACE_S``, and the processes whose command line names its temp dir."""
     entry = _HEADS.pop(pid, None)
     if entry is None:
         return
     proc, temp = entry
-    kill_tree(pid, grace_s=10)
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(str(temp) in part for part in p.info["cmdline"] or []):
-                p.kill()
+    kill_tree(pid, grace_s=HEAD_GRACE_S)
+    kill_cluster(temp)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(10)
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 @contextlib.contextmanager

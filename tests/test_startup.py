@@ -12,6 +12,7 @@ import pytest
 from bench.startup import first_step_offset
 from rlhf_core.config import StrategyConfig, load_config
 from rlhf_core.distributed import launcher
+from rlhf_core.distributed.rollout_engine import cpu_kv_cache_bytes
 from rlhf_core.jobs.common import ray_cpus
 from rlhf_core.jobs.ppo import resource_demand
 from tests.conftest import ROOT, TINY
@@ -66,6 +67,7 @@ ONE_RAY = """
 import os
 import ray
 from rlhf_core.distributed import launcher
+from rlhf_core.distributed.rollout_engine import cpu_kv_cache_bytes
 
 cores = os.cpu_count() or 1
 with launcher.one_ray(min_cpus=cores + 1):  # nothing inside needs Ray: nothing starts
@@ -191,3 +193,25 @@ def test_bench_reads_the_first_step_from_old_and_new_output():
     assert first_step_offset("sft", "[sft] step 12/32 loss=1.0 (0.05s)") is None
     assert first_step_offset("sft", "[reward_model] step 1/32 loss=1.0 (0.05s)") is None
     assert first_step_offset("sft", "[sft] saved /tmp/run/sft") is None
+
+
+def test_a_cpu_engine_allocates_the_kv_cache_its_sequences_need_not_a_gibibyte():
+    """vLLM zero-fills its whole KV cache when an engine starts, and first-touched memory can come at about 3 s per
+    GiB: the default cache holds 256 sequences of the longest length (whole 128-token blocks, and the block vLLM
+    keeps empty), at most 1 GiB."""
+    from transformers import LlamaConfig
+
+    small = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=32)
+    # demo engine, max_model_len 48 -> 1 block of 128 tokens per sequence, 256 + 1 blocks = 32,896 tokens;
+    # a token: keys and values (2) x 4 layers x 4 heads x 32 numbers x 4 bytes (fp32) = 4,096 bytes -> 128.5 MiB
+    assert cpu_kv_cache_bytes(small, 48, "float32") == 32_896 * 4_096 == (128 << 20) + (512 << 10)
+    # 129 tokens need 2 blocks: 513 blocks = 65,664 tokens; bf16 halves the token: 2,048 bytes
+    assert cpu_kv_cache_bytes(small, 129, "bfloat16") == 65_664 * 2_048
+    # grouped-query attention: 2 KV heads of the 4, head_dim from hidden_size / heads = 128 / 4 = 32
+    gqa = LlamaConfig(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    assert cpu_kv_cache_bytes(gqa, 48, "float32") == 32_896 * 2 * 4 * 2 * 32 * 4
+    # tensor parallel: each of 2 workers holds half the KV heads (1 of 2); 3 ranks: ceil(2 / 3) = 1 head each
+    assert cpu_kv_cache_bytes(gqa, 48, "float32", 2) == cpu_kv_cache_bytes(gqa, 48, "float32", 3) == 32_896 * 1_024
+    # a 0.5B-size model at 2,048 tokens would need 4,097 blocks x 128 x 2 x 24 x 2 x 64 x 2 bytes = 6 GiB: capped
+    big = LlamaConfig(num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2)
+    assert cpu_kv_cache_bytes(big, 2048, "bfloat16") == 1 << 30

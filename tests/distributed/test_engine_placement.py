@@ -57,7 +57,9 @@ def test_vllm_tp2_generates_syncs_both_workers_in_buckets_in_its_placement_group
     pytest.importorskip("vllm")
     path, tok, model, prompts = medium
     t0 = time.perf_counter()
-    (engine,) = create_engines(1, path, backend="vllm", tensor_parallel_size=2, num_cpus_per_engine=2)
+    (engine,) = create_engines(
+        1, path, backend="vllm", tensor_parallel_size=2, num_cpus_per_engine=2, max_model_len=64
+    )
     group = engine_placement_group(engine)
     ray.get(engine.ready.remote())
     start_s = time.perf_counter() - t0
@@ -70,6 +72,9 @@ def test_vllm_tp2_generates_syncs_both_workers_in_buckets_in_its_placement_group
     assert options["placement_group_id"] == group.id.hex()
     # eager on CPU (enforce_eager null), TP workers as child processes (vLLM's Ray executor has no CPU device)
     assert options["enforce_eager"] is True and options["distributed_executor_backend"] == "mp"
+    # each worker's KV cache (kv_cache_gib null): 256 sequences of one 128-token block (max_model_len 64) and the
+    # empty block, keys and values of 7 layers x 4 of the 8 heads x 64 fp32 numbers: 257 x 128 x 14,336 bytes
+    assert options["kv_cache_memory_bytes"] == 257 * 128 * 2 * 7 * 4 * 64 * 4 == 471_597_056  # 450 MiB, not 1 GiB
     assert ray.get(engine.num_workers.remote()) == 2
 
     sampling = SamplingConfig(n=2, max_new_tokens=8, seed=3)

@@ -92,7 +92,7 @@ def env(prefect_server, tmp_path):
     work = tmp_path / "scratch"
     work.mkdir()
     env = {**os.environ, "RLHF_WORK_DIR": str(work), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("RAY_ADDRESS", None)  # each job starts its own Ray, whose workers die with the machine
+    env.pop("RAY_ADDRESS", None)  # each run starts its own Ray head (shared_ray), which dies with the machine
     return env
 
 
@@ -210,7 +210,9 @@ def test_a_killed_job_is_retried_then_a_killed_orchestrator_is_resumed_at_once_n
     wait_for(lambda: _holder(lease) == old, proc, log)
     taken_at = newest_committed(run_dir, "sft_b")
     wait_for(lambda: newest_committed(run_dir, "sft_b") > taken_at, proc, log)
-    os.kill(proc.pid, signal.SIGKILL)  # the orchestrator only: its job lives on in its own session
+    # the run's Ray head (shared_ray) runs under a guard process in a session of its own, as the jobs do
+    (head,) = [p.pid for p in psutil.Process(proc.pid).children() if "guard-head" in p.cmdline()]
+    os.kill(proc.pid, signal.SIGKILL)  # the orchestrator only: its job and its Ray head live on in their sessions
     proc.wait(timeout=30)
 
     second = start_resume(run_dir, env, log)
@@ -228,8 +230,9 @@ def test_a_killed_job_is_retried_then_a_killed_orchestrator_is_resumed_at_once_n
     assert stages_launched(run_dir) == ["sft_b", "sft_b", "sft_b"]  # the job, the task's retry, the resumed run's
     assert stage_metrics(run_dir, "sft_b")["resumed_from_step"] > taken_at
     assert not lease.exists()  # given back
-    stray = [p.pid for p in psutil.process_iter() if _session(p) in (first, old)]
-    assert not stray, f"processes of the killed or stopped jobs are still there: {stray}"
+    # nothing of the killed or stopped jobs, nor of the killed orchestrator's Ray head (its guard stopped it)
+    stray = [p.pid for p in psutil.process_iter() if _session(p) in (first, old, head)]
+    assert not stray, f"processes of the killed or stopped jobs or of their Ray are still there: {stray}"
     assert_no_scratch(env)
 
 
