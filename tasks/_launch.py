@@ -11,8 +11,8 @@ the whole process tree is stopped: SIGTERM, then SIGKILL after a grace period, f
 Every launch is recorded under ``<run_uri>/_launches/``, which is how tests count them.
 
 ``shared_ray``: one Ray for a flow run's jobs (the flow's ``shared_ray`` parameter), a local head that each job joins
-through ``RAY_ADDRESS`` instead of starting a Ray of its own; the head is stopped by pid when the run ends, and by
-the same hooks as the jobs.
+through ``RAY_ADDRESS`` instead of starting a Ray of its own; the head is stopped by pid when the run ends, by the
+same hooks as the jobs, and by its guard process (``tasks._procs.guard_head``) when the flow's process dies.
 """
 
 from __future__ import annotations
