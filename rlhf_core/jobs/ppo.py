@@ -814,7 +814,9 @@ class PPOController:
         fail_after = common.fail_after_step()
         startup_s = timing.since_job_start()
         evaluating = (
-            f" ({eval_before_s:.1f}s of it evaluating {len(self.eval_prompts)} prompts)" if eval_before_s else ""
+            f" ({eval_before_s:.1f}s of it evaluating {len(self.eval_prompts)} prompts)"
+            if eval_before_s and self.eval_prompts
+            else ""
         )
         print(f"[{stage}] first step {startup_s:.1f}s after the job started{evaluating}", flush=True)
         for step in range(state["step"], self.steps):
