@@ -187,21 +187,27 @@ def test_the_prefect_ui_renders_each_stage_curves(deployed_run, prefect_server):
     assert any(f"logged steps, last step {k} of 4" in running[0] for k in (2, 3)), running[0][:300]
 
 
-def _job_tree(run_dir, timeout_s=180) -> list[int]:
-    """Pids of the first launched job and its descendants, once its Ray is up."""
+def _run_tree(run_dir, timeout_s=180) -> list[int]:
+    """Pids of the first launched job and of the run's Ray (``shared_ray``: the head's guard, ``ray start``, GCS,
+    raylet, agents and workers, the guard being a child of the flow-run process like the job), once the job's first
+    worker is up in that Ray."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         files = list((run_dir / "_launches").glob("*.json")) if (run_dir / "_launches").exists() else []
         if files:
             pid = json.loads(files[0].read_text())["pid"]
             try:
-                tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+                job = psutil.Process(pid)
+                guards = [p for p in job.parent().children() if "guard-head" in p.cmdline()]
+                tree = [job, *job.children(recursive=True)]
+                tree += [q for g in guards for q in (g, *g.children(recursive=True))]
+                started = any(q.cmdline()[:1] and q.cmdline()[0].startswith("ray::_Shell") for q in tree)
             except psutil.NoSuchProcess:
-                tree = []
-            if len(tree) >= 4:  # the job, Ray's GCS, raylet and workers
-                return tree
+                guards, started = [], False
+            if guards and started:
+                return [q.pid for q in tree]
         time.sleep(1)
-    raise AssertionError("the job did not start its Ray in time")
+    raise AssertionError("the job's workers did not start in the run's Ray in time")
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -220,7 +226,7 @@ def test_cancelling_a_running_flow_leaves_no_job_process(prefect_server, work_po
     long_sft = [*FAST, "sft.train.max_epochs=200", "sft.train.log_steps=50"]
     deploy(work_pool["pool"], names=["tiny-nightly"], overrides={"run_uri": str(run_dir), "overrides": long_sft})
     flow_run = run_deployment("rlhf-pipeline/tiny-nightly", timeout=0)
-    pids = _job_tree(run_dir)
+    pids = _run_tree(run_dir)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
         deadline = time.time() + 120
