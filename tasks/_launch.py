@@ -32,7 +32,7 @@ from rlhf_core.events import EVENTS_ENV, read_new
 from rlhf_core.jobs.common import ORCHESTRATOR_ENV
 from rlhf_core.ports import free_port
 from rlhf_core.storage import ObjectStore
-from tasks._procs import HEAD_GRACE_S, kill_cluster, kill_tree
+from tasks._procs import GUARD_HEAD, kill_tree, stop_head
 
 ROOT = Path(__file__).resolve().parent.parent
 _LIVE: dict[int, subprocess.Popen] = {}  # job pid -> process, for the cancellation and crash hooks
@@ -88,7 +88,7 @@ def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]
            "--node-ip-address=127.0.0.1", f"--num-cpus={n}", "--include-dashboard=false", f"--temp-dir={temp}",
            "--disable-usage-stats", *ports]  # fmt: skip
     log = temp / "ray-start.log"
-    guard = [sys.executable, "-m", "tasks._procs", "guard-head", str(os.getpid()), str(temp), "--", *cmd]
+    guard = [sys.executable, "-m", "tasks._procs", GUARD_HEAD, str(os.getpid()), str(temp), "--", *cmd]
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(guard, cwd=ROOT, env={**os.environ, **HEAD_ENV}, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
@@ -105,14 +105,13 @@ def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]
 
 
 def _stop_head(pid: int) -> None:
-    """SIGTERM the head's session (its guard, GCS, raylet and workers), then SIGKILL whatever of that cluster is
-    left after ``HEAD_GRACE_S``, and the processes whose command line names its temp dir."""
+    """Stop a head that ``ray_head`` started: its guard's session (``ray start``, GCS, raylet, workers) and what is
+    left of its cluster (``tasks._procs.stop_head``)."""
     entry = _HEADS.pop(pid, None)
     if entry is None:
         return
     proc, temp = entry
-    kill_tree(pid, grace_s=HEAD_GRACE_S)
-    kill_cluster(temp)
+    stop_head(pid, temp)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(10)
 

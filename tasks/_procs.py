@@ -14,6 +14,8 @@ from pathlib import Path
 
 import psutil
 
+GUARD_HEAD = "guard-head"  # the guard's command word: ``python -m tasks._procs guard-head PARENT TEMP -- CMD...``
+
 # A Ray head's own stop (GCS and raylet draining on SIGTERM) takes over 10 s; what it holds is the finished run's, so
 # after this grace its processes are killed.
 HEAD_GRACE_S = 2.0
@@ -42,14 +44,20 @@ def _signal(procs: list[psutil.Process], group: int, sig: int) -> None:
         os.killpg(group, sig)
 
 
-def kill_cluster(temp: Path) -> None:
-    """Kill what is left of a Ray head's cluster, the processes whose command line names its temp dir, and remove
-    that dir."""
+def stop_head(pid: int, temp: Path) -> None:
+    """Stop a Ray head (the guard or ``ray start`` at ``pid``, with its session) after ``HEAD_GRACE_S``, then kill
+    what is left of its cluster, the processes whose command line names its temp dir, and remove that dir."""
+    kill_tree(pid, grace_s=HEAD_GRACE_S)
     for p in psutil.process_iter(["pid", "cmdline"]):
         with contextlib.suppress(psutil.Error):
             if any(str(temp) in part for part in p.info["cmdline"] or []):
                 p.kill()
     shutil.rmtree(temp, ignore_errors=True)
+
+
+def head_guards(parent: int) -> list[psutil.Process]:
+    """The Ray-head guards that process ``parent`` started (a flow run's ``shared_ray``)."""
+    return [p for p in psutil.Process(parent).children() if GUARD_HEAD in p.cmdline()]
 
 
 def guard_head(parent: int, temp: Path, cmd: list[str], poll_s: float = 1.0) -> int:
@@ -61,13 +69,13 @@ def guard_head(parent: int, temp: Path, cmd: list[str], poll_s: float = 1.0) -> 
     while head.poll() is None:
         if os.getppid() != parent:  # reparented: the flow's process is gone
             print(f"the process that started this Ray head (pid {parent}) is gone: stopping the head", flush=True)
-            kill_tree(head.pid, grace_s=HEAD_GRACE_S)
-            kill_cluster(temp)
+            stop_head(head.pid, temp)
             return 1
         time.sleep(poll_s)
     return head.returncode
 
 
 if __name__ == "__main__":  # python -m tasks._procs guard-head PARENT_PID TEMP_DIR -- COMMAND...
-    _, parent_pid, temp_dir, _, *command = sys.argv[1:]
+    word, parent_pid, temp_dir, _, *command = sys.argv[1:]
+    assert word == GUARD_HEAD, sys.argv
     raise SystemExit(guard_head(int(parent_pid), Path(temp_dir), command))

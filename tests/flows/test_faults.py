@@ -32,6 +32,7 @@ from rlhf_core.config import load_config
 from rlhf_core.jobs import sft
 from rlhf_core.lease import LEASE_DIR
 from rlhf_core.storage import ObjectStore
+from tasks._procs import head_guards
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -211,7 +212,7 @@ def test_a_killed_job_is_retried_then_a_killed_orchestrator_is_resumed_at_once_n
     taken_at = newest_committed(run_dir, "sft_b")
     wait_for(lambda: newest_committed(run_dir, "sft_b") > taken_at, proc, log)
     # the run's Ray head (shared_ray) runs under a guard process in a session of its own, as the jobs do
-    (head,) = [p.pid for p in psutil.Process(proc.pid).children() if "guard-head" in p.cmdline()]
+    (head,) = [p.pid for p in head_guards(proc.pid)]
     os.kill(proc.pid, signal.SIGKILL)  # the orchestrator only: its job and its Ray head live on in their sessions
     proc.wait(timeout=30)
 

@@ -24,6 +24,7 @@ from deployments.deploy import deploy
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline, summary_markdown
 from rlhf_core.jobs.ppo import SEQUENTIAL_PHASES
 from tasks._launch import ROOT
+from tasks._procs import head_guards
 
 pytestmark = pytest.mark.slow
 
@@ -198,7 +199,7 @@ def _run_tree(run_dir, timeout_s=180) -> list[int]:
             pid = json.loads(files[0].read_text())["pid"]
             try:
                 job = psutil.Process(pid)
-                guards = [p for p in job.parent().children() if "guard-head" in p.cmdline()]
+                guards = head_guards(job.parent().pid)
                 tree = [job, *job.children(recursive=True)]
                 tree += [q for g in guards for q in (g, *g.children(recursive=True))]
                 started = any(q.cmdline()[:1] and q.cmdline()[0].startswith("ray::_Shell") for q in tree)
