@@ -1697,13 +1697,17 @@ def _engine_model(path: Any) -> Any:
 def first_step(cfg: StrategyConfig, factory: type, *args, key: str = "strategy") -> list[dict]:
     """``launcher.run_group``'s stand-in for a DPO/KTO job: the rank's first step without DeepSpeed. The trainer the
     job made (its impl, context and examples, with the reference log-probs the job attached) builds the policy as
-    fit() does, in fp32 with sdpa, and its impl.loss runs on the first four training examples."""
+    fit() does, in fp32 with sdpa, runs impl.before_training on one rank (the starting model's reference log-probs
+    when the job attached none), and its impl.loss runs on the first four training examples."""
     launcher.check_constructor(factory, args, {})
     trainer = factory(*args)
     impl, ctx = trainer.impl, trainer.ctx
     ctx = dataclasses.replace(ctx, model_path=local_model_path(ctx.model_path))
     tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
     model = impl.build_model(ctx, tokenizer, torch.float32, "sdpa")
+    examples = {"train": trainer.train_examples, "eval": trainer.eval_examples}
+    strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train)
+    impl.before_training(model, ctx, strategy, examples, tokenizer.pad_token_id)
     forwards: list[tuple[int, bool]] = []
     model.register_forward_pre_hook(forward_record(forwards), with_kwargs=True)
     loss, metrics = impl.loss(model, impl.collate(trainer.train_examples[:4], tokenizer.pad_token_id))
@@ -1889,7 +1893,7 @@ def _preference_section(kind: str) -> dict[str, Probe]:
             expect=lambda a, b: (
                 a["reference_logprobs"]
                 and not b["reference_logprobs"]
-                and len(a["groups"]) == 1
+                and len(a["groups"]) == 1  # the preset's reference is another model: a ReferencePolicy group
                 and not b["groups"]
                 and (a["metrics"]["online_reference"], b["metrics"]["online_reference"]) == (False, True)
                 and _close(a["metrics"]["loss"], b["metrics"]["loss"])

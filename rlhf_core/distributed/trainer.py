@@ -59,6 +59,9 @@ class StageContext:
 
 class StageImpl(Protocol):
     def build_model(self, ctx: StageContext, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module: ...
+    def before_training(
+        self, model: nn.Module, ctx: StageContext, strategy: DeepSpeedStrategy, examples: dict[str, list], pad_id: int
+    ) -> None: ...  # with the starting model, on every rank, before a checkpoint is loaded (DPO/KTO: the reference)
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]: ...
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
     def evaluate(self, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]: ...
@@ -108,6 +111,8 @@ class SupervisedTrainer:
         engine = strategy.prepare(model, steps)
         self.device = next(engine.module.parameters()).device
         pad_id = tokenizer.pad_token_id
+        self.impl.before_training(engine, ctx, strategy, {"train": self.train_examples, "eval": self.eval_examples},
+                                  pad_id)  # fmt: skip
 
         # 2. resume from the newest complete checkpoint of this config
         state = {"step": 0, "consumed_samples": 0, "first_loss": None}

@@ -22,13 +22,19 @@ from rlhf_core.config import DPOConfig, PipelineConfig
 from rlhf_core.data.examples import preference_examples
 from rlhf_core.distributed.node_files import ModelSource
 from rlhf_core.jobs import common
-from rlhf_core.jobs.preference import PreferenceImpl, PreferenceKind, response_logprobs, run_preference
+from rlhf_core.jobs.preference import PreferenceImpl, PreferenceKind, Sequence, response_logprobs, run_preference
 from rlhf_core.types import CheckpointRef
 
 KIND = "dpo"
 
 
 class DPOImpl(PreferenceImpl):
+    REF_KEYS = ("ref_chosen", "ref_rejected")
+
+    @staticmethod
+    def reference_sequences(e: dict) -> list[Sequence]:
+        return [(e["chosen_ids"], e["chosen_prompt_len"]), (e["rejected_ids"], e["rejected_prompt_len"])]
+
     def __init__(self, p: DPOConfig, reference: ModelSource | None = None):
         super().__init__(p, reference)
         self.beta, self.loss_type, self.smoothing, self.nll_coef = (
@@ -40,12 +46,7 @@ class DPOImpl(PreferenceImpl):
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """Chosen rows first, then rejected rows, in one (2B, T) batch."""
-        seqs = [(e["chosen_ids"], e["chosen_prompt_len"]) for e in examples]
-        seqs += [(e["rejected_ids"], e["rejected_prompt_len"]) for e in examples]
-        refs = None
-        if "ref_chosen" in examples[0]:
-            refs = [e["ref_chosen"] for e in examples] + [e["ref_rejected"] for e in examples]
-        return self.tensors(seqs, refs, pad_id)
+        return self.tensors(examples, pad_id)
 
     def _stats(self, model, batch: dict[str, torch.Tensor]):
         logps, tokens = response_logprobs(model, batch, self.packing)
@@ -91,12 +92,7 @@ class DPOImpl(PreferenceImpl):
         }
 
 
-DPO = PreferenceKind(
-    examples=preference_examples,
-    sequences=lambda e: [(e["chosen_ids"], e["chosen_prompt_len"]), (e["rejected_ids"], e["rejected_prompt_len"])],
-    ref_keys=("ref_chosen", "ref_rejected"),
-    impl=DPOImpl,
-)
+DPO = PreferenceKind(examples=preference_examples, impl=DPOImpl)
 
 
 def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:

@@ -22,26 +22,26 @@ from rlhf_core.data.examples import kto_examples
 from rlhf_core.distributed import device
 from rlhf_core.distributed.node_files import ModelSource
 from rlhf_core.jobs import common
-from rlhf_core.jobs.preference import PreferenceImpl, PreferenceKind, response_logprobs, run_preference
+from rlhf_core.jobs.preference import PreferenceImpl, PreferenceKind, Sequence, response_logprobs, run_preference
 from rlhf_core.types import CheckpointRef
 
 KIND = "kto"
 
 
 class KTOImpl(PreferenceImpl):
+    REF_KEYS = ("ref_logp", "ref_kl_logp")
+
+    @staticmethod
+    def reference_sequences(e: dict) -> list[Sequence]:
+        return [(e["input_ids"], e["prompt_len"]), (e["kl_ids"], e["kl_prompt_len"])]
+
     def __init__(self, p: KTOConfig, reference: ModelSource | None = None):
         super().__init__(p, reference)
         self.beta, self.weights = p.beta, (p.desirable_weight, p.undesirable_weight)
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """The examples' rows first, then their mismatched (KL) rows, in one (2B, T) batch."""
-        seqs = [(e["input_ids"], e["prompt_len"]) for e in examples] + [
-            (e["kl_ids"], e["kl_prompt_len"]) for e in examples
-        ]
-        refs = None
-        if "ref_logp" in examples[0]:
-            refs = [e["ref_logp"] for e in examples] + [e["ref_kl_logp"] for e in examples]
-        batch = self.tensors(seqs, refs, pad_id)
+        batch = self.tensors(examples, pad_id)
         batch["desirable"] = torch.tensor([bool(e["desirable"]) for e in examples])
         return batch
 
@@ -92,12 +92,7 @@ def _reward_means(rewards: torch.Tensor, good: torch.Tensor) -> dict[str, float]
     return out
 
 
-KTO = PreferenceKind(
-    examples=kto_examples,
-    sequences=lambda e: [(e["input_ids"], e["prompt_len"]), (e["kl_ids"], e["kl_prompt_len"])],
-    ref_keys=("ref_logp", "ref_kl_logp"),
-    impl=KTOImpl,
-)
+KTO = PreferenceKind(examples=kto_examples, impl=KTOImpl)
 
 
 def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:

@@ -4,10 +4,12 @@ Both score whole responses: the sum of the log-probs of the response tokens (EOS
 the policy being trained and under a frozen reference (``<stage>.reference``, default the policy's starting model).
 The reference's numbers come one of two ways (``<stage>.ref_logprobs``):
 
-- ``precompute`` (default): before training, a Ray group of ``ReferencePolicy`` workers scores every training and
-  held-out sequence once; the numbers are committed as ``<run_uri>/<stage>/reference_logprobs/`` (manifest with the
-  stage's config hash), so that a resumed or retried stage reads them instead of recomputing, and the training ranks
-  hold no reference model;
+- ``precompute`` (default): every training and held-out sequence is scored once before the first step, and the
+  numbers are committed as ``<run_uri>/<stage>/reference_logprobs/`` (manifest with the stage's config hash), so that a
+  resumed or retried stage reads them instead of recomputing, and the training ranks hold no reference model. When
+  the reference is the policy's starting model (the default), the training ranks score their share with the policy
+  they have just built, before it takes a step: no second model is loaded and no second group started. Another
+  reference model is scored by a Ray group of ``ReferencePolicy`` workers before the training group starts;
 - ``online``: every rank keeps a frozen full copy of the reference and scores each micro-batch as it trains.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +28,15 @@ from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.preference import sequence_logprobs
 from rlhf_core.config import ModelConfig, PipelineConfig, PreferenceConfig
 from rlhf_core.data.examples import pad_right
-from rlhf_core.distributed import launcher
+from rlhf_core.distributed import device, launcher
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.reference import ReferencePolicy
+from rlhf_core.distributed.strategy import DeepSpeedStrategy
 from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer, write_entry
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.models.forward import causal_lm_logprobs
-from rlhf_core.storage import ArtifactError
+from rlhf_core.storage import ArtifactError, ObjectStore
 from rlhf_core.types import CheckpointRef
 
 Sequence = tuple[list[int], int]  # token ids (prompt + response + EOS) and the prompt's length
@@ -79,6 +83,13 @@ class FrozenReference:
 class PreferenceImpl:
     """The parts of a DPO/KTO ``StageImpl`` that do not depend on the loss: the policy, the reference numbers."""
 
+    REF_KEYS: tuple[str, ...]  # where an example's reference log-probs go, in ``reference_sequences`` order
+
+    @staticmethod
+    def reference_sequences(e: dict) -> list[Sequence]:
+        """An example's sequences that are scored under the reference (each one's rows in a batch, in this order)."""
+        raise NotImplementedError
+
     def __init__(self, p: PreferenceConfig, reference: ModelSource | None):
         self.p, self.packing = p, p.strategy.packing
         self.online = FrozenReference(reference, p.reference or p.model, self.packing) if reference else None
@@ -96,11 +107,57 @@ class PreferenceImpl:
         assert self.online is not None and self._build is not None, "no reference log-probs and no online reference"
         return self.online(batch, *self._build).to(batch["input_ids"].device)
 
-    def tensors(self, seqs: list[Sequence], refs: list[float] | None, pad_id: int) -> dict[str, torch.Tensor]:
-        batch = response_tensors(seqs, pad_id)
-        if refs is not None:
+    def tensors(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        """Each example's first sequence, then each one's second (``reference_sequences``), with the reference
+        log-probs the examples carry (``REF_KEYS``, in the same order) when they were precomputed."""
+        per_example = [self.reference_sequences(e) for e in examples]
+        batch = response_tensors([seqs[i] for i in range(len(self.REF_KEYS)) for seqs in per_example], pad_id)
+        if self.REF_KEYS[0] in examples[0]:
+            refs = [e[key] for key in self.REF_KEYS for e in examples]
             batch["ref_logps"] = torch.tensor(refs, dtype=torch.float32)
         return batch
+
+    def before_training(
+        self, model: Any, ctx: StageContext, strategy: DeepSpeedStrategy, examples: dict[str, list[dict]], pad_id: int
+    ) -> None:
+        """Precomputed numbers of the starting model that the driver did not find stored: every rank scores its share
+        of the sequences with the policy it has just built (before any step, and before a checkpoint is loaded), the
+        shares are gathered, rank 0 commits them, and every rank attaches them to its examples."""
+        if self.p.ref_logprobs != "precompute" or not starts_as_reference(self.p):
+            return
+        splits = {name: rows for name, rows in examples.items() if rows}
+        if all(self.REF_KEYS[0] in rows[0] for rows in splits.values()):
+            return  # read back from reference_logprobs/ by the driver
+        started = time.time()
+        rank, world = strategy.rank, strategy.world_size
+        seqs = {name: [s for e in rows for s in self.reference_sequences(e)] for name, rows in splits.items()}
+        mine = {}
+        for name, all_seqs in seqs.items():  # rank r scores sequences r, r + world, ...
+            share = all_seqs[rank::world]
+            padded = share + (share[-1:] or all_seqs[:1]) * (-(-len(all_seqs) // world) - len(share))  # equal forwards
+            mine[name] = self._score(model, padded, ctx.train.eval_batch_size, pad_id)[: len(share)]
+        shares = strategy.all_gather_object(mine)
+        out = {name: [shares[i % world][name][i // world] for i in range(len(s))] for name, s in seqs.items()}
+        if rank == 0:
+            uri = commit_reference(ObjectStore(ctx.run_uri, ctx.storage_options), ctx.stage, ctx.config_hash, out)
+            print(f"[{ctx.stage}] reference log-probs of {sum(map(len, out.values()))} sequences, scored by the "
+                  f"{world} training rank(s) in {time.time() - started:.1f}s: {uri}", flush=True)  # fmt: skip
+        for name, rows in splits.items():
+            attach(rows, self.REF_KEYS, out[name])
+
+    @torch.no_grad()
+    def _score(self, model: Any, seqs: list[Sequence], micro: int, pad_id: int) -> list[float]:
+        """Summed response log-probs of ``seqs`` under ``model`` in eval mode, ``micro`` sequences per forward."""
+        dev = next(model.parameters()).device
+        model.eval()
+        try:
+            out: list[float] = []
+            for lo in range(0, len(seqs), micro):
+                batch = device.to_device(response_tensors(seqs[lo : lo + micro], pad_id), dev)
+                out += response_logprobs(model, batch, self.packing)[0].float().cpu().tolist()
+            return out
+        finally:
+            model.train()
 
     def finalize(self, hf_model: Any, metrics: dict[str, float]) -> None:
         pass
@@ -110,21 +167,43 @@ class PreferenceImpl:
 # Precomputed reference log-probs
 
 
-def precompute_reference(
-    st: common.StageSetup, p: PreferenceConfig, splits: dict[str, list[Sequence]], pad_id: int
-) -> dict[str, list[float]]:
-    """Summed reference log-probs of every sequence of each split: read from ``<stage>/reference_logprobs/`` when it
-    was committed for this config hash, else computed on a ``ReferencePolicy`` group and committed there."""
+def starts_as_reference(p: PreferenceConfig) -> bool:
+    """Whether the reference is the policy's starting model (``reference`` null or the same model settings)."""
+    return p.reference is None or p.reference == p.model
+
+
+def stored_reference(st: common.StageSetup, splits: dict[str, list[Sequence]]) -> dict[str, list[float]] | None:
+    """The summed reference log-probs of every sequence of each split, when ``<stage>/reference_logprobs/`` was
+    committed for this config hash and these splits."""
     store, rel = st.store, f"{st.stage}/{REFERENCE_REL}"
     try:
         stored = store.read_manifest(rel, verify=True)
     except ArtifactError:
-        stored = None
-    if stored is not None and stored.config_hash == st.config_hash:
-        saved = store.read_json(f"{rel}/logprobs.json")
-        if {k: len(v) for k, v in saved.items()} == {k: len(v) for k, v in splits.items()}:
-            print(f"[{st.stage}] reference log-probs from {store.uri(rel)}", flush=True)
-            return saved
+        return None
+    if stored.config_hash != st.config_hash:
+        return None
+    saved = store.read_json(f"{rel}/logprobs.json")
+    if {k: len(v) for k, v in saved.items()} != {k: len(v) for k, v in splits.items()}:
+        return None
+    print(f"[{st.stage}] reference log-probs from {store.uri(rel)}", flush=True)
+    return saved
+
+
+def commit_reference(store: ObjectStore, stage: str, config_hash: str, logps: dict[str, list[float]]) -> str:
+    """Commits ``<stage>/reference_logprobs/`` (one JSON file, manifest last); returns its URI."""
+    rel = f"{stage}/{REFERENCE_REL}"
+    store.prepare(rel)
+    files = {"logprobs.json": write_entry(store, f"{rel}/logprobs.json", json.dumps(logps))}
+    store.commit(rel, stage=stage, config_hash=config_hash, files=files,
+                 extra={"sequences": {k: len(v) for k, v in logps.items()}})  # fmt: skip
+    return store.uri(rel)
+
+
+def precompute_reference(
+    st: common.StageSetup, p: PreferenceConfig, splits: dict[str, list[Sequence]], pad_id: int
+) -> dict[str, list[float]]:
+    """Summed log-probs of every sequence of each split under a reference other than the starting model, computed on
+    a ``ReferencePolicy`` group and committed as ``<stage>/reference_logprobs/``."""
     ref = p.reference or p.model
     s = p.strategy
     started = launcher.init_ray(min_cpus=s.num_workers * s.cpus_per_worker)
@@ -140,11 +219,8 @@ def precompute_reference(
             group.shutdown()
         if started:
             launcher.shutdown_ray()
-    store.prepare(rel)
-    files = {"logprobs.json": write_entry(store, f"{rel}/logprobs.json", json.dumps(out))}
-    store.commit(rel, stage=st.stage, config_hash=st.config_hash, files=files,
-                 extra={"sequences": {k: len(v) for k, v in out.items()}})  # fmt: skip
-    print(f"[{st.stage}] reference log-probs of {sum(map(len, out.values()))} sequences: {store.uri(rel)}", flush=True)
+    uri = commit_reference(st.store, st.stage, st.config_hash, out)
+    print(f"[{st.stage}] reference log-probs of {sum(map(len, out.values()))} sequences: {uri}", flush=True)
     return out
 
 
@@ -170,9 +246,7 @@ class PreferenceKind:
     """How a DPO-like kind makes its examples and its ``StageImpl``."""
 
     examples: Callable[..., list[dict]]  # (data cfg, tokenizer, split, storage options) -> examples
-    sequences: Callable[[dict], list[Sequence]]  # an example's sequences that need reference log-probs
-    ref_keys: tuple[str, ...]  # where those log-probs go in the example, in the same order
-    impl: Callable[[Any, ModelSource | None], Any]  # (section, online reference source or None) -> StageImpl
+    impl: type[PreferenceImpl]  # (section, online reference source or None) -> StageImpl
 
 
 def run_preference(cfg: PipelineConfig, stage: str, kind: PreferenceKind) -> CheckpointRef:
@@ -190,14 +264,19 @@ def run_preference(cfg: PipelineConfig, stage: str, kind: PreferenceKind) -> Che
     held_out = kind.examples(p.data, tokenizer, "eval", options) if p.data.eval_path else []
     common.check_steps(stage, p, len(train))
 
-    # 3. reference log-probs (precomputed: once, stored with the stage), then training on the Ray group
+    # 3. reference log-probs (precomputed: once, stored with the stage; the starting model's are scored by the
+    # training ranks before their first step), then training on the Ray group
     try:
         if p.ref_logprobs == "precompute":
             splits = {"train": train, "eval": held_out}
-            seqs = {name: [s for e in rows for s in kind.sequences(e)] for name, rows in splits.items() if rows}
-            logps = precompute_reference(st, p, seqs, tokenizer.pad_token_id)
+            seqs = {name: [s for e in rows for s in kind.impl.reference_sequences(e)]
+                    for name, rows in splits.items() if rows}  # fmt: skip
+            logps = stored_reference(st, seqs)
+            if logps is None and not starts_as_reference(p):
+                logps = precompute_reference(st, p, seqs, tokenizer.pad_token_id)
             for name, rows in splits.items():
-                _attach(rows, kind.ref_keys, logps.get(name, []))
+                if logps is not None:
+                    attach(rows, kind.impl.REF_KEYS, logps.get(name, []))
         impl = kind.impl(p, None if p.ref_logprobs == "precompute" else st.sources["reference"])
         metrics = launcher.run_group(
             p.strategy, SupervisedTrainer, impl, st.context(), train, held_out, key=f"{stage}.strategy"
@@ -207,7 +286,8 @@ def run_preference(cfg: PipelineConfig, stage: str, kind: PreferenceKind) -> Che
     return CheckpointRef(st.store.uri(stage), stage, metrics["steps"], st.config_hash, metrics)
 
 
-def _attach(rows: list[dict], keys: tuple[str, ...], values: Iterable[float]) -> None:
+def attach(rows: list[dict], keys: tuple[str, ...], values: Iterable[float]) -> None:
+    """Each row's reference log-probs, in ``reference_sequences`` order, under ``keys``."""
     it = iter(values)
     for row in rows:
         for key in keys:

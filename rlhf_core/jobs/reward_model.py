@@ -43,6 +43,9 @@ class RewardModelImpl:
         )
         return ScalarHeadModel(hf)
 
+    def before_training(self, model, ctx: StageContext, strategy, examples: dict[str, list], pad_id: int) -> None:
+        pass
+
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """Chosen rows first, then rejected rows, in one (2B, T) batch."""
         ids = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]

@@ -40,6 +40,9 @@ class SFTImpl:
             trust_remote_code=ctx.trust_remote_code,
         )
 
+    def before_training(self, model, ctx: StageContext, strategy, examples: dict[str, list], pad_id: int) -> None:
+        pass
+
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         ids = [e["input_ids"] for e in examples]
         return {

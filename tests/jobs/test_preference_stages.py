@@ -1,5 +1,6 @@
 """The DPO and KTO stage jobs: bad preference data refused before anything starts (file, row, key), reference
-log-probs computed once and stored with the stage (a rerun reads them back), online and precomputed references
+log-probs of the starting policy computed once by the training rank, without a reference group, and stored with the
+stage (a rerun reads them back), online and precomputed references
 training alike, and the loss at the start of training (policy = reference) at its known value."""
 
 import json
@@ -16,6 +17,7 @@ from rlhf_core.jobs import dpo, kto
 from rlhf_core.jobs.preference import REFERENCE_REL
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
+from tests.jobs.test_rl_family import ray_actor_names
 
 PRESETS = ROOT / "deployments" / "configs"
 # no upstream SFT output needed; 32 pairs in batches of 16: 2 steps
@@ -86,7 +88,10 @@ def test_the_job_cli_refuses_bad_pairs_with_one_line_and_status_2(tmp_path):
 @pytest.mark.slow
 def test_dpo_reference_log_probs_are_stored_once_and_reused_and_match_online(tmp_path, ray_cluster, capsys):
     run_dir = tmp_path / "run"
+    before = ray_actor_names()
     ref = dpo.run(cfg_for("dpo", run_dir), "dpo")
+    # the reference is the starting policy: the training rank scored it before its first step, no reference group
+    assert {name.split(":")[0] for name in ray_actor_names() - before} == {"SupervisedTrainer"}
     store = ObjectStore(str(run_dir))
     rel = f"dpo/{REFERENCE_REL}"
     stored = store.read_manifest(rel, verify=True)
