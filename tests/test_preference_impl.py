@@ -5,7 +5,9 @@ At the start of training the policy is its own reference, so every log-ratio is 
 one optimizer step on the DPO loss raises the chosen responses' log-probs relative to the rejected ones.
 """
 
+import copy
 import math
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,7 @@ from rlhf_core.jobs.dpo import DPOImpl
 from rlhf_core.jobs.kto import KTOImpl
 from rlhf_core.jobs.preference import response_logprobs
 from rlhf_core.models.builders import load_tokenizer
+from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
 
 TINY_DPO = ROOT / "deployments" / "configs" / "tiny-dpo.yaml"
@@ -143,3 +146,69 @@ def test_kto_with_the_policy_as_reference_gives_one_half_and_zero_kl(tokenizer):
     weighted = KTOImpl(_section(TINY_KTO, "kto", "kto.desirable_weight=2.0"), reference="builtin:tiny")
     loss_w, _ = weighted.loss(_policy(weighted, tokenizer), weighted.collate(examples, tokenizer.pad_token_id))
     assert loss_w.item() == pytest.approx((3 * 2 * 0.5 + 3 * 0.5) / 6, abs=1e-6)  # 0.75
+
+
+class _ThreadRanks:
+    """A ``DeepSpeedStrategy`` stand-in for one of ``world`` ranks run as threads: ``all_gather_object`` meets the
+    other threads at a barrier and returns every rank's object, in rank order."""
+
+    def __init__(self, rank: int, world: int, box: list, barrier: threading.Barrier):
+        self.rank, self.world_size, self.box, self.barrier = rank, world, box, barrier
+
+    def all_gather_object(self, obj):
+        self.box[self.rank] = obj
+        self.barrier.wait(timeout=60)
+        return list(self.box)
+
+
+def test_the_training_ranks_score_the_starting_policy_each_its_share_and_rank_0_commits_the_numbers(
+    tokenizer, tmp_path
+):
+    p: DPOConfig = _section(TINY_DPO, "dpo")
+    assert p.reference is None and p.ref_logprobs == "precompute"  # the default: the starting policy's numbers
+    pairs = _pairs(tokenizer)
+    # 4 ranks: the 6 training sequences give shares of 2, 2, 1 and 1, the 2 held-out ones 1, 1, 0 and 0 (padded to
+    # equal forwards, the padding dropped); eval_batch_size 1 = one forward per sequence
+    world, splits = 4, {"train": pairs, "eval": pairs[:1]}
+    ctx = SimpleNamespace(run_uri=str(tmp_path / "run"), storage_options={}, stage="dpo", config_hash="h",
+                          train=SimpleNamespace(eval_batch_size=1))  # fmt: skip
+    impl = DPOImpl(p)
+    model = _policy(impl, tokenizer)
+    box, barrier = [None] * world, threading.Barrier(world)
+    ranks = [copy.deepcopy(splits) for _ in range(world)]
+    threads = [
+        threading.Thread(
+            target=impl.before_training,
+            args=(
+                _policy(impl, tokenizer),
+                ctx,
+                _ThreadRanks(r, world, box, barrier),
+                ranks[r],
+                tokenizer.pad_token_id,
+            ),
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    # What one process gets scoring everything itself: chosen rows, then rejected rows.
+    for name, rows in splits.items():
+        own = _own_logps(model, impl, impl.tensors(rows, tokenizer.pad_token_id)).tolist()
+        expected = [v for pair in zip(own[: len(rows)], own[len(rows) :]) for v in pair]
+        for r in range(world):
+            got = [e[key] for e in ranks[r][name] for key in ("ref_chosen", "ref_rejected")]
+            assert got == pytest.approx(expected, abs=1e-5), (name, r)
+    store = ObjectStore(ctx.run_uri)
+    assert store.read_manifest("dpo/reference_logprobs", verify=True).config_hash == "h"
+    committed = store.read_json("dpo/reference_logprobs/logprobs.json")
+    assert {k: len(v) for k, v in committed.items()} == {"train": 6, "eval": 2}
+    assert committed["train"][:2] == [ranks[0]["train"][0]["ref_chosen"], ranks[0]["train"][0]["ref_rejected"]]
+
+    # numbers already attached (read back by the driver): nothing is scored, no rank gathers
+    never = SimpleNamespace(rank=0, world_size=1, all_gather_object=lambda obj: pytest.fail("scored again"))
+    impl.before_training(model, ctx, never, ranks[0], tokenizer.pad_token_id)
+    # another reference model: its numbers come from the driver's ReferencePolicy group, not from the ranks
+    other = DPOImpl(_section(TINY_DPO, "dpo", "dpo.reference.name_or_path=builtin:tiny", "dpo.reference.init_seed=1"))
+    other.before_training(model, ctx, never, copy.deepcopy(splits), tokenizer.pad_token_id)
