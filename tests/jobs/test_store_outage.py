@@ -1,6 +1,12 @@
 """Object-store outage: the S3 server (SeaweedFS, our own instance) stops in the middle of an upload, the stage job
 fails within a bounded time, and once the server is back on the same ports and data the rerun completes, resuming
-from the newest complete checkpoint only; a partially uploaded checkpoint or output is never read."""
+from the newest complete checkpoint only; a partially uploaded checkpoint or output is never read.
+
+The failure is a worker's (the upload is rank 0's): one line naming the worker and the cause, the traceback in the
+log folder. These two jobs are also the proof that a worker failure and a resume on S3 with credentials leak no
+credential: everything they left (output, log and scratch folders, --ref-out files, every object of the run, their
+Ray sessions) is searched for the store's key and secret (``search_for_credentials`` of tests/jobs/test_secrets.py,
+which searches the refusals the same way)."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import pytest
 
 from rlhf_core.storage import MANIFEST_NAME, UPLOAD_PAUSE_ENV, ObjectStore
 from tests.conftest import ROOT, TINY
+from tests.jobs.test_secrets import files_under, ray_sessions, search_for_credentials
 from tests.s3_server import SeaweedS3, identity_config
 
 pytestmark = pytest.mark.slow
@@ -144,6 +151,8 @@ class Outcome:
     stage_after_restart: set[str]  # the listing of <run>/sft/ then
     down_at: datetime  # when the store went down (UTC)
     ref: dict  # the rerun's CheckpointRef (--ref-out)
+    errors: list[str]  # the failed job's error lines (one)
+    ray_before: set[Path]  # the Ray session folders before the first job
 
 
 def outage_then_rerun(
@@ -153,6 +162,7 @@ def outage_then_rerun(
     fails in bounded time, bring the store back and rerun without the pause."""
     run_uri = f"s3://{BUCKET}/runs/{tmp.name}"
     prefix = f"{BUCKET}/runs/{tmp.name}/{folder}"
+    ray_before = ray_sessions()
     proc, log, _ = start_job(s3, run_uri, tmp, "first", True, overrides)
     at_outage = stop_when(s3, prefix, proc, log, seen)
     down, down_at = time.monotonic(), datetime.now(UTC)
@@ -175,7 +185,24 @@ def outage_then_rerun(
     assert "[sft] done: " in log.read_text() and "already complete" not in log.read_text()
     lease = ObjectStore(run_uri, s3.options()).exists("_leases/sft.json")
     assert not lease, "the rerun did not give its lease back"
-    return Outcome(at_outage, after_restart, stage_after_restart, down_at, json.loads(ref_out.read_text()))
+    ref = json.loads(ref_out.read_text())
+    return Outcome(at_outage, after_restart, stage_after_restart, down_at, ref, error, ray_before)
+
+
+def search_the_run(s3: OwnS3, tmp: Path, out: Outcome) -> dict[str, bytes]:
+    """Search everything both jobs left for the store's key and secret: their output (``<name>.log``), log and
+    scratch folders, --ref-out files, every object of the run (read while the store is up) and their Ray sessions.
+    Returns what was searched (where: bytes), after checking it covers the objects, both outputs and the sessions."""
+    fs, run = s3.fs(), f"{BUCKET}/runs/{tmp.name}"
+    objects = {f"s3://{name}": fs.cat_file(name) for name in fs.find(run)}
+    paths = [tmp / f"{name}{end}" for name in ("first", "rerun") for end in (".log", ".ref.json")]
+    searched = search_for_credentials(
+        {"key": s3.key, "secret": s3.secret}, objects, [*paths, tmp / "logs", tmp / "work"], out.ray_before
+    )
+    assert f"s3://{run}/sft/{MANIFEST_NAME}" in searched and len(objects) > 10, sorted(objects)
+    assert {str(tmp / "first.log"), str(tmp / "rerun.log"), str(tmp / "rerun.ref.json")} <= searched.keys()
+    assert any(where.startswith("/tmp/ray/session_") for where in searched), "no Ray session of the jobs searched"
+    return searched
 
 
 def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_path):
@@ -202,6 +229,14 @@ def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_
     assert datetime.fromisoformat(ckpt2.created_at) > out.down_at
     assert store.read_manifest("sft/checkpoints/step_00000001", verify=True).extra["step"] == 1
 
+    # A worker's failure: one line naming the worker and the cause, the traceback in the log folder.
+    (error,) = out.errors
+    assert error.startswith("error: [sft] SupervisedTrainer rank 0 failed: "), error
+    (traceback,) = files_under(tmp_path / "logs")
+    assert f"{traceback.name})" in error and "Traceback" in traceback.read_text()
+    # No credential in anything the two jobs left.
+    assert str(traceback) in search_the_run(own_s3, tmp_path, out)
+
 
 @pytest.mark.extended  # make test keeps the outage mid checkpoint (above)
 def test_outage_mid_export_reruns_to_a_verified_output(own_s3, tmp_path):
@@ -227,3 +262,4 @@ def test_outage_mid_export_reruns_to_a_verified_output(own_s3, tmp_path):
     half = {f for f in after_restart if "/" not in f}
     assert half <= set(final.files)  # every half-uploaded file was written again and is checked by the manifest
     assert not store.exists("sft.next")  # the new output was swapped in, nothing left beside
+    search_the_run(own_s3, tmp_path, out)
