@@ -15,6 +15,7 @@ SFT_2W = ["sft.strategy.num_workers=2", "sft.data.max_samples=256", "sft.train.s
 RM_2W = ["reward_model.strategy.num_workers=2", "reward_model.train.micro_train_batch_size=8"]
 CRITIC_WARMUP = ["critic_warmup.train.save_steps=1"]  # a checkpoint after step 1 of 2 (its frozen actor has none)
 UPSTREAM = [*SFT_2W, *RM_2W, *CRITIC_WARMUP]
+TENSORBOARD = "tracking.tensorboard=true"  # rank 0 / the controller log each logged step to <run_uri>/tensorboard/
 
 
 def cfg_for(run_dir, *overrides):
@@ -28,7 +29,7 @@ def weights(run_dir, stage):
 @pytest.fixture(scope="session")
 def sft_run(tmp_path_factory, ray_cluster):
     run_dir = tmp_path_factory.mktemp("sft-zero2")
-    ref = sft.run(cfg_for(run_dir, *SFT_2W))
+    ref = sft.run(cfg_for(run_dir, *SFT_2W, TENSORBOARD))  # trackers are not part of a stage's config hash
     return run_dir, ref
 
 

@@ -1,6 +1,7 @@
 """The PPO stage beyond GAE and a reward model, as real jobs on the session's Ray: a critic-free estimator (no critic
-actor, no critic output), a remote reward server on loopback (an outage fails the stage, naming the server; the
-stage then resumes from its checkpoint), and reward-function files refused before any worker starts."""
+actor, no critic output; its controller's TensorBoard scalars read back), a remote reward server on loopback (an
+outage fails the stage, naming the server; the stage then resumes from its checkpoint), and reward-function files
+refused before any worker starts."""
 
 import json
 import subprocess
@@ -14,8 +15,9 @@ from rlhf_core.config import ConfigError
 from rlhf_core.rewards import RemoteRewardError
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
-from tests.jobs.conftest import run_ppo
+from tests.jobs.conftest import TENSORBOARD, run_ppo
 from tests.test_rewards import free_port
+from tests.test_tracking import scalars
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +35,7 @@ def ray_actor_names() -> set[str]:
 
 def test_a_critic_free_run_starts_no_critic_actor_and_writes_no_critic(run_dir):
     before = ray_actor_names()
-    ref = run_ppo(run_dir, *GRPO, *SHORT, "ppo.train.save_steps=1")
+    ref = run_ppo(run_dir, *GRPO, *SHORT, "ppo.train.save_steps=1", TENSORBOARD)
     started = {name.split(":")[0] for name in ray_actor_names() - before}
     assert started == {"PolicyActor", "ReferencePolicy", "RewardScorer"}, started  # and the rollout engine
     assert ref.metrics["steps"] == 2
@@ -47,6 +49,12 @@ def test_a_critic_free_run_starts_no_critic_actor_and_writes_no_critic(run_dir):
     last = out["history"][-1]
     assert "critic_loss" not in last and "critic_lr" not in last and last["kl_loss"] >= 0
     assert "timing/critic_train_s" not in last and "timing/experience_critic_s" not in last
+    # TensorBoard: the controller logged every step (log_steps=1), read back; and the stage's curves
+    got = scalars(run_dir / "tensorboard" / "ppo")
+    for name in ("reward", "kl", "policy_loss"):
+        assert [s for s, _ in got[name]] == [1, 2], name
+        assert [v for _, v in got[name]] == pytest.approx([h[name] for h in out["history"]]), name
+    assert (run_dir / "ppo" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _server(port: int) -> subprocess.Popen:
