@@ -238,7 +238,9 @@ def _report(args: argparse.Namespace, order: list[str], sides: dict, runs: dict,
             finals = [t.results() for side in sides for t in runs[side][stage]]
             keys = set.intersection(*(set(f) for f in finals))
             differ = sorted(k for k in keys if len({json.dumps(f[k]) for f in finals}) > 1)
-            print(f"{stage}: " + (f"final metrics differ: {differ}" if differ else
+            values = "; ".join(f"{k} " + " / ".join(f"{f[k]:.6g}" if isinstance(f[k], float) else str(f[k])
+                                                    for f in finals) for k in differ)  # fmt: skip
+            print(f"{stage}: " + (f"final metrics differ (each run's, before then after): {values}" if differ else
                                   f"the same {len(keys)} final metrics in every run, before and after"))  # fmt: skip
     print(f"(job logs and run dirs: {out})")
     if not args.keep:
