@@ -24,12 +24,6 @@ def _known(estimator: str) -> None:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
 
 
-def needs_critic(estimator: str) -> bool:
-    """True for GAE, the only estimator that reads a critic's values."""
-    _known(estimator)
-    return estimator == "gae"
-
-
 def whitens(estimator: str, whiten_advantages: bool) -> bool:
     """Whether the advantages are whitened over the whole rollout batch (all ranks) before the policy loss: GAE when
     ``whiten_advantages``; REINFORCE++ and REINFORCE++-baseline always (their normalisation is global); GRPO, RLOO

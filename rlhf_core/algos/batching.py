@@ -1,5 +1,5 @@
-"""Batch plumbing for experience: build padded (B, T) tensors from prompt/response ids, mark truncated responses,
-split and select rows of dicts (the typed PPO batches split themselves, see :mod:`rlhf_core.algos.experience`).
+"""Batch plumbing for experience: build padded (B, T) tensors from prompt/response ids and mark truncated responses
+(the typed PPO batches split, shard and select their own rows, see :mod:`rlhf_core.algos.experience`).
 
 Pure torch. Conventions: sequences are right-padded; position t of a (B, T-1) per-token tensor (log-probs, values,
 KL, rewards, advantages) belongs to the token at t+1, so ``action_mask[:, t]`` is 1 when token t+1 is a response
@@ -50,21 +50,3 @@ def make_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id:
         attention_mask[i, : len(p) + len(r)] = 1
         action_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1
     return SequenceBatch(input_ids=input_ids, attention_mask=attention_mask, action_mask=action_mask)
-
-
-def split_batch(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
-    """Consecutive chunks of ``size`` rows (the last may be smaller)."""
-    n = next(iter(batch.values())).size(0)
-    return [{k: v[lo : lo + size] for k, v in batch.items()} for lo in range(0, n, size)]
-
-
-def shard_batch(batch: dict[str, torch.Tensor], world_size: int) -> list[dict[str, torch.Tensor]]:
-    """``world_size`` equal contiguous shards (rows must divide evenly)."""
-    n = next(iter(batch.values())).size(0)
-    assert n % world_size == 0, f"{n} rows do not split over {world_size} ranks"
-    return split_batch(batch, n // world_size)
-
-
-def select_rows(batch: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The rows ``index`` ((K,) long, or (B,) bool) of every tensor of ``batch``."""
-    return {k: v[index] for k, v in batch.items()}

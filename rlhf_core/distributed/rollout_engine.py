@@ -226,9 +226,6 @@ class VLLMEngine:
             self.llm.wake_up(tags=sorted(todo))
             self._asleep -= todo
 
-    def is_asleep(self) -> list[str]:
-        return sorted(self._asleep)
-
     def _check_awake(self) -> None:
         if self._asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self._asleep))}): wake_up() first")

@@ -1,6 +1,6 @@
 import torch
 
-from rlhf_core.algos.batching import ensure_eos, make_sequences, select_rows, shard_batch, split_batch
+from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import SequenceBatch
 
 
@@ -22,13 +22,6 @@ def test_make_sequences_right_pads_the_shorter_row():
     assert out.attention_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
     # row 0: response token at index 2 -> position 1; row 1: response at 1, 2, 3 -> positions 0, 1, 2
     assert out.action_mask.tolist() == [[0, 1, 0], [1, 1, 1]]
-
-
-def test_split_and_shard():
-    batch = {"x": torch.arange(6), "y": torch.arange(6) * 2}
-    assert [c["x"].tolist() for c in split_batch(batch, 4)] == [[0, 1, 2, 3], [4, 5]]
-    assert [s["y"].tolist() for s in shard_batch(batch, 3)] == [[0, 2], [4, 6], [8, 10]]
-    assert select_rows(batch, torch.tensor([5, 0]))["y"].tolist() == [10, 0]
 
 
 def test_ensure_eos_appends_to_truncated_and_empty_responses():
