@@ -147,8 +147,9 @@ class PreferenceImpl:
 
     @torch.no_grad()
     def _score(self, model: Any, seqs: list[Sequence], micro: int, pad_id: int) -> list[float]:
-        """Summed response log-probs of ``seqs`` under ``model`` in eval mode, ``micro`` sequences per forward."""
-        dev = next(model.parameters()).device
+        """Summed response log-probs of ``seqs`` under ``model`` in eval mode, ``micro`` sequences per forward; the
+        model's mode is left as it was."""
+        dev, was_training = next(model.parameters()).device, model.training
         model.eval()
         try:
             out: list[float] = []
@@ -157,7 +158,7 @@ class PreferenceImpl:
                 out += response_logprobs(model, batch, self.packing)[0].float().cpu().tolist()
             return out
         finally:
-            model.train()
+            model.train(was_training)
 
     def finalize(self, hf_model: Any, metrics: dict[str, float]) -> None:
         pass
