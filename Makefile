@@ -13,10 +13,12 @@ setup:
 demo: setup
 	.venv/bin/rlhf run demo $(ARGS)
 
-# ruff: formatting and the rule set in pyproject.toml ([tool.ruff]); `make format` applies both.
+# ruff: formatting and the rule set in pyproject.toml ([tool.ruff]); `make format` applies both. Then pyright (basic)
+# on the paths [tool.pyright] names, run by basedpyright: the PyPI build that brings its own Node, so it works offline.
 lint: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
+	.venv/bin/basedpyright
 
 format: setup
 	.venv/bin/ruff format .

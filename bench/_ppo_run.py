@@ -30,9 +30,21 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESET = "deployments/configs/tiny.yaml"
 BASELINE_REV = "d3d2d8d"
 # The phases in the order a step runs them (metrics.json's keys come sorted); concurrent ones after their phase.
-PHASE_ORDER = ["offload_states", "generation", "experience", "experience_actor", "experience_reference",
-               "experience_critic", "experience_reward", "advantages", "train", "critic_train", "actor_train",
-               "weight_sync", "checkpoint"]  # fmt: skip
+PHASE_ORDER = [
+    "offload_states",
+    "generation",
+    "experience",
+    "experience_actor",
+    "experience_reference",
+    "experience_critic",
+    "experience_reward",
+    "advantages",
+    "train",
+    "critic_train",
+    "actor_train",
+    "weight_sync",
+    "checkpoint",
+]
 STEP_LINE = re.compile(r"^\[ppo\] step (\d+)/(\d+) .*\(([0-9.]+)s\)\s*$")
 
 
@@ -45,8 +57,13 @@ def add_size_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=4, help="algo.ppo_epochs")
     parser.add_argument("--samples-per-prompt", type=int, help="rollout.n_samples_per_prompt (default: the preset's)")
     parser.add_argument("--backend", choices=["hf", "vllm"], help="rollout.backend (default: the preset's, hf)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="another override for every run, e.g. --set ppo.rollout.num_engines=2")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another override for every run, e.g. --set ppo.rollout.num_engines=2",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run directories and job logs")
 
 
@@ -55,12 +72,19 @@ def overrides(args: argparse.Namespace) -> list[str]:
     out = [f"ppo.{role}.name_or_path={args.model}" for role in ("actor", "critic", "reward")]
     out += [
         "ppo.algo.normalize_reward=false",  # a builtin reward model has no stored reward statistics
-        f"ppo.train.rollout_batch_size={args.prompts}", f"ppo.rollout.max_new_tokens={args.new_tokens}",
-        f"ppo.algo.ppo_epochs={args.epochs}", f"ppo.train.max_steps={args.steps}", "ppo.train.eval_prompts=0",
-        "ppo.train.save_steps=0", "ppo.train.log_steps=1", "ppo.actor_strategy.precision=fp32",
-        "ppo.critic_strategy.precision=fp32", "ppo.colocate_all=false", "ppo.colocate_actor_ref=false",
+        f"ppo.train.rollout_batch_size={args.prompts}",
+        f"ppo.rollout.max_new_tokens={args.new_tokens}",
+        f"ppo.algo.ppo_epochs={args.epochs}",
+        f"ppo.train.max_steps={args.steps}",
+        "ppo.train.eval_prompts=0",
+        "ppo.train.save_steps=0",
+        "ppo.train.log_steps=1",
+        "ppo.actor_strategy.precision=fp32",
+        "ppo.critic_strategy.precision=fp32",
+        "ppo.colocate_all=false",
+        "ppo.colocate_actor_ref=false",
         "ppo.colocate_critic_reward=false",
-    ]  # fmt: skip
+    ]
     if args.samples_per_prompt is not None:
         out.append(f"ppo.rollout.n_samples_per_prompt={args.samples_per_prompt}")
     if args.backend is not None:
@@ -72,8 +96,11 @@ def baseline_tree(rev: str) -> Path:
     """A detached worktree of ``rev`` at /tmp/bench-base-<rev> (made once, reused after)."""
     path = Path(tempfile.gettempdir()) / f"bench-base-{rev}"
     if not (path / "rlhf_core").is_dir():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return path
 
 
@@ -129,10 +156,25 @@ def run_ppo(args: argparse.Namespace, label: str, code: Path = ROOT) -> Run:
     are echoed here as they come."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-ppo-{label}-"))
     log_path = run_dir / "job.log"
-    cmd = [sys.executable, "-m", "rlhf_core.jobs.ppo", "--config", PRESET, "--stage", "ppo",
-           f"run_uri={run_dir / 'run'}", *overrides(args)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf_core.jobs.ppo",
+        "--config",
+        PRESET,
+        "--stage",
+        "ppo",
+        f"run_uri={run_dir / 'run'}",
+        *overrides(args),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(code),
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_DEDUP_LOGS": "0",
+    }
     env.pop("RAY_ADDRESS", None)  # a Ray of its own, as a job on this machine
     env.pop("RLHF_EVENTS_FILE", None)
     print(f"[{label}] {' '.join(cmd[1:])} (in {code}; log {log_path})", flush=True)
@@ -142,8 +184,16 @@ def run_ppo(args: argparse.Namespace, label: str, code: Path = ROOT) -> Run:
     # The job in a session of its own: stopped with its Ray (GCS, raylet, workers) if this process is stopped.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     with open(log_path, "w", buffering=1) as log:
-        proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=code,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         try:
             assert proc.stdout is not None
             for line in proc.stdout:

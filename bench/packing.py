@@ -4,12 +4,12 @@
 
 Two copies of one model (``--model``, seed 0, fp32) train side by side on the same micro-batches of SFT examples of
 mixed lengths (about half of each padded micro-batch is padding; the measured share is printed): one with the
-stage's loss packed (``SFTImpl(packing=True)``: the samples packed into rows with restarting position_ids, log-probs
-of the response tokens only), one padded (``packing=False``, the attention mask over padded rows). Each step is a
-forward, backward and AdamW step of each side, interleaved (packed, padded, packed, ...), so both see the same
-drift of a shared machine; one warm-up step per side is not timed. The two sides' losses must agree at every step
-within ``--loss-tol`` (1e-4), or the benchmark fails. Throughput counts real tokens (not padding) per second of
-forward + backward + optimizer step. The last line is the summary:
+stage's loss packed (``SFTTrainer.loss``, ``strategy.packing``: the samples packed into rows with restarting
+position_ids, log-probs of the response tokens only), one padded (``packing=False``, the attention mask over padded
+rows). Each step is a forward, backward and AdamW step of each side, interleaved (packed, padded, packed, ...), so
+both see the same drift of a shared machine; one warm-up step per side is not timed. The two sides' losses must
+agree at every step within ``--loss-tol`` (1e-4), or the benchmark fails. Throughput counts real tokens (not
+padding) per second of forward + backward + optimizer step. The last line is the summary:
 
     packing: speedup=<packed / padded tok/s> packed_tok_s=<..> padded_tok_s=<..> padding=<share> max_loss_diff=<..>
 """
@@ -21,6 +21,7 @@ import copy
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,18 +56,24 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from rlhf_core.algos.packing import padding_fraction
-    from rlhf_core.jobs.sft import SFTImpl
+    from rlhf_core.config import StrategyConfig
+    from rlhf_core.jobs.sft import SFTTrainer
     from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model)
     model = build_causal_lm(args.model, tok, seed=0, dtype=torch.float32, attn="sdpa")
-    sides = {"packed": SFTImpl(packing=True), "padded": SFTImpl(packing=False)}
+    # the stage's loss as its ranks run it; only the context's strategy.packing is read
+    sides = {
+        name: SFTTrainer(SimpleNamespace(strategy=StrategyConfig(packing=packing)), [], [])
+        for name, packing in (("packed", True), ("padded", False))
+    }
     models = {"packed": model, "padded": copy.deepcopy(model)}
     optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     examples = mixed_examples((args.steps + 1) * args.micro, 0, len(tok), args.max_len)
     batches = [
-        SFTImpl().collate(examples[i : i + args.micro], tok.pad_token_id) for i in range(0, len(examples), args.micro)
+        sides["packed"].collate(examples[i : i + args.micro], tok.pad_token_id)
+        for i in range(0, len(examples), args.micro)
     ]
     padding = statistics.mean(padding_fraction(b["attention_mask"]) for b in batches)
     seconds = {k: 0.0 for k in sides}

@@ -48,9 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         if run is None:
             continue
         measured = ", ".join(str(s.step) for s in run.measured)
-        print(f"[{run.label}] start-up {run.startup_s:.1f} s, step {run.step_s:.2f} s (steps {measured}), "
-              f"{run.measured[0].rows} rows x {run.mean('response_len'):.1f} tokens, {run.gen_tok_s:.1f} generated "
-              f"tokens/s, job {run.wall_s:.0f} s")  # fmt: skip
+        print(
+            f"[{run.label}] start-up {run.startup_s:.1f} s, step {run.step_s:.2f} s (steps {measured}), "
+            f"{run.measured[0].rows} rows x {run.mean('response_len'):.1f} tokens, {run.gen_tok_s:.1f} generated "
+            f"tokens/s, job {run.wall_s:.0f} s"
+        )
     if phases:
         step = phases["step"]
         for name, seconds in phases.items():

@@ -90,8 +90,9 @@ def select_methods(text: str | None) -> list[str]:
     asked = [name.strip().replace("-", "_") for name in text.split(",") if name.strip()]
     unknown = [name for name in asked if name not in METHODS]
     if unknown or not asked:
-        raise ValueError(f"unknown method {', '.join(map(repr, unknown)) or repr(text)} in --methods "
-                         f"(known: {', '.join(METHODS)})")  # fmt: skip
+        raise ValueError(
+            f"unknown method {', '.join(map(repr, unknown)) or repr(text)} in --methods (known: {', '.join(METHODS)})"
+        )
     return [name for name in METHODS if name in asked]
 
 
@@ -130,15 +131,16 @@ def plan_reuse(cfg, earlier: Iterable[StageRun]) -> dict[str, StageRun]:
     return plan
 
 
-def run_preset(preset: str, run_dir: Path, *overrides: str, reuse: Iterable[StageRun] = (),
-               log: Callable[[str], None] = print) -> dict[str, StageRun]:  # fmt: skip
+def run_preset(
+    preset: str, run_dir: Path, *overrides: str, reuse: Iterable[StageRun] = (), log: Callable[[str], None] = print
+) -> dict[str, StageRun]:
     """Run ``deployments/configs/<preset>.yaml`` in ``run_dir`` as ``python -m rlhf_core.jobs.pipeline`` does (each
     kind's ``run`` in ``cfg.order()``, on the Ray already up or one each stage starts), first copying in the stages
     that ``reuse`` (earlier runs) already made (``plan_reuse``). Returns each stage's output by name; a copied one
     as it was made (its folder and seconds are the earlier run's)."""
     from rlhf_core.config import load_config
-    from rlhf_core.jobs.common import existing_output, open_store
     from rlhf_core.jobs.pipeline import runner
+    from rlhf_core.run_layout import existing_output, open_store
 
     cfg = load_config(PRESETS / f"{preset}.yaml", [f"run_uri={run_dir}", *overrides])
     copied = plan_reuse(cfg, reuse)
@@ -162,8 +164,9 @@ def run_preset(preset: str, run_dir: Path, *overrides: str, reuse: Iterable[Stag
             log(f"[quality] {preset}: {name} copied from {copied[name].run_dir.name}")
             continue
         upstream = {u: out[u].config_hash for u in cfg.spec(name).upstream_names()}
-        out[name] = StageRun(name, cfg.kind(name), cfg.stage(name), upstream, ref.config_hash, run_dir, seconds,
-                             ref.metrics)  # fmt: skip
+        out[name] = StageRun(
+            name, cfg.kind(name), cfg.stage(name), upstream, ref.config_hash, run_dir, seconds, ref.metrics
+        )
         log(f"[quality] {preset}: {name} {seconds:.1f} s")
     return out
 
@@ -258,8 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     for method in methods:
         if METHODS[method].note:
             print(f"({method}: {METHODS[method].note})")
-    print(f"(wall_s: the method's own stages, without {' and '.join(BASELINE)}; run folders: "
-          f"{root if args.keep else 'deleted'})")  # fmt: skip
+    print(
+        f"(wall_s: the method's own stages, without {' and '.join(BASELINE)}; run folders: "
+        f"{root if args.keep else 'deleted'})"
+    )
     print(summary(results))
 
 

@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from rlhf_core.distributed.rollout_engine import HFGenerateEngine, SamplingConfig, VLLMEngine
+    from rlhf_core.distributed.rollout.engine import SamplingConfig
+    from rlhf_core.distributed.rollout.hf_engine import HFGenerateEngine
+    from rlhf_core.distributed.rollout.vllm_engine import VLLMEngine
     from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -141,9 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [len(p) for p in prompts]
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     max_model_len = max(256, args.max_len + args.max_new_tokens)
-    print(f"{args.model}: {params / 1e6:.1f}M parameters; {len(prompts)} prompts of {min(lengths)}..{max(lengths)} "
-          f"tokens (mean {statistics.mean(lengths):.1f}), up to {args.max_new_tokens} new tokens each, "
-          f"{args.threads} threads", flush=True)  # fmt: skip
+    print(
+        f"{args.model}: {params / 1e6:.1f}M parameters; {len(prompts)} prompts of {min(lengths)}..{max(lengths)} "
+        f"tokens (mean {statistics.mean(lengths):.1f}), up to {args.max_new_tokens} new tokens each, "
+        f"{args.threads} threads",
+        flush=True,
+    )
 
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path)
@@ -160,8 +165,10 @@ def main(argv: list[str] | None = None) -> None:
         vllm_batches = token_budget_batches(lengths, sched.max_num_batched_tokens, sched.max_num_seqs)
         sides = {"vllm": (vllm.generate, vllm_batches)}
         sides |= {f"hf@{b}": (hf.generate, fixed_batches(len(prompts), b)) for b in batch_sizes}
-        describe = {"vllm": f"{len(vllm_batches)} generate call(s) of <= {sched.max_num_batched_tokens} prompt tokens "
-                            f"({'/'.join(str(len(b)) for b in vllm_batches)} prompts)"}  # fmt: skip
+        describe = {
+            "vllm": f"{len(vllm_batches)} generate call(s) of <= {sched.max_num_batched_tokens} prompt tokens "
+            f"({'/'.join(str(len(b)) for b in vllm_batches)} prompts)"
+        }
         describe |= {f"hf@{b}": f"batch size {b}" for b in batch_sizes}
         runs: dict[str, list[tuple[int, float, float]]] = {name: [] for name in sides}
         # Warm-up, not timed: one short pass each, on the side's first batch with WARMUP_TOKENS new tokens.
@@ -182,13 +189,20 @@ def main(argv: list[str] | None = None) -> None:
     for name, passes in runs.items():  # the fastest pass: the one least slowed by whatever else runs here
         fastest[name] = tokens, seconds, cpu = min(passes, key=lambda r: r[1])
         rates[name] = tokens / seconds
-        print(f"{name}: {tokens} tokens in {seconds:.2f} s = {rates[name]:.1f} tokens/s ({tokens / cpu:.1f} per CPU "
-              f"second), {describe[name]}", flush=True)  # fmt: skip
+        print(
+            f"{name}: {tokens} tokens in {seconds:.2f} s = {rates[name]:.1f} tokens/s ({tokens / cpu:.1f} per CPU "
+            f"second), {describe[name]}",
+            flush=True,
+        )
     best_hf = max((n for n in rates if n.startswith("hf@")), key=rates.__getitem__)
-    print(f"hf: best {describe[best_hf]} (of {args.hf_batch_sizes}); benchmark wall time "
-          f"{time.perf_counter() - wall0:.1f} s (imports, model, engine start, warm-ups, timed passes)")  # fmt: skip
-    print(f"rollout: speedup={rates['vllm'] / rates[best_hf]:.2f} vllm_tok_s={rates['vllm']:.1f} "
-          f"hf_tok_s={rates[best_hf]:.1f} prompts={len(prompts)} new_tokens={fastest['vllm'][0]}")  # fmt: skip
+    print(
+        f"hf: best {describe[best_hf]} (of {args.hf_batch_sizes}); benchmark wall time "
+        f"{time.perf_counter() - wall0:.1f} s (imports, model, engine start, warm-ups, timed passes)"
+    )
+    print(
+        f"rollout: speedup={rates['vllm'] / rates[best_hf]:.2f} vllm_tok_s={rates['vllm']:.1f} "
+        f"hf_tok_s={rates[best_hf]:.1f} prompts={len(prompts)} new_tokens={fastest['vllm'][0]}"
+    )
 
 
 if __name__ == "__main__":

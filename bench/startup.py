@@ -94,18 +94,48 @@ def first_step_offset(stage: str, line: str) -> float | None:
     return None
 
 
-def run_stage(root: Path, config: str, stage: str, kind: str, run_uri: Path, overrides: list[str],
-              env: dict[str, str], log_path: Path | None) -> StageTiming:  # fmt: skip
+def run_stage(
+    root: Path,
+    config: str,
+    stage: str,
+    kind: str,
+    run_uri: Path,
+    overrides: list[str],
+    env: dict[str, str],
+    log_path: Path | None,
+) -> StageTiming:
     """One stage job from checkout ``root``; its output is timestamped line by line as it arrives."""
     import psutil
 
-    cmd = [sys.executable, "-m", f"rlhf_core.jobs.{kind}", "--config", config, "--stage", stage,
-           f"run_uri={run_uri}", *overrides]  # fmt: skip
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                 "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                 **env}  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=root, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, start_new_session=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        f"rlhf_core.jobs.{kind}",
+        "--config",
+        config,
+        "--stage",
+        stage,
+        f"run_uri={run_uri}",
+        *overrides,
+    ]
+    child_env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "RAY_DEDUP_LOGS": "0",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        **env,
+    }
+    proc = subprocess.Popen(
+        cmd,
+        cwd=root,
+        env=child_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     try:
         started = psutil.Process(proc.pid).create_time()
     except psutil.NoSuchProcess:
@@ -137,19 +167,20 @@ def run_stage(root: Path, config: str, stage: str, kind: str, run_uri: Path, ove
     metrics = run_uri / stage / "metrics.json"
     if metrics.is_file():
         final = json.loads(metrics.read_text()).get("final", {})
-    return StageTiming(stage, kind, ended - started, first[0] if first else None, final.get("startup_s"), lines,
-                       final)  # fmt: skip
+    return StageTiming(stage, kind, ended - started, first[0] if first else None, final.get("startup_s"), lines, final)
 
 
 def worktree(rev: str) -> Path:
     """A detached worktree of ``rev`` under /tmp (the venv is shared; its code comes first on PYTHONPATH)."""
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    sha = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
     path = Path(tempfile.gettempdir()) / f"bench-startup-{sha[:12]}"
     if not (path / "rlhf_core").is_dir():
         shutil.rmtree(path, ignore_errors=True)
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True, capture_output=True
+        )
     return path
 
 
@@ -212,36 +243,63 @@ def _run_all(args: argparse.Namespace, cfg, order: list[str], sides: dict, runs:
             for side, (root, env) in sides.items():  # interleaved: both sides see the same drift of the load
                 run_uri = out / side / f"run{r}"
                 run_uri.mkdir(parents=True, exist_ok=True)
-                t = run_stage(root, args.config, stage, cfg.kind(stage), run_uri, args.overrides, env,
-                              out / side / f"{stage}-{r}.log")  # fmt: skip
+                t = run_stage(
+                    root,
+                    args.config,
+                    stage,
+                    cfg.kind(stage),
+                    run_uri,
+                    args.overrides,
+                    env,
+                    out / side / f"{stage}-{r}.log",
+                )
                 runs[side][stage].append(t)
                 evaluating = t.final.get("eval_before_s")  # PPO kinds: the evaluation before the first step
-                print(f"{side:6s} {stage:14s} startup {_fmt(t.startup_s):>6s} s (metrics {_fmt(t.metrics_s)}, "
-                      f"stdout {_fmt(t.stdout_s)}" + (f", of it evaluating {_fmt(evaluating)}" if evaluating else "")
-                      + f"), job {t.wall_s:.1f} s", flush=True)  # fmt: skip
+                print(
+                    f"{side:6s} {stage:14s} startup {_fmt(t.startup_s):>6s} s (metrics {_fmt(t.metrics_s)}, "
+                    f"stdout {_fmt(t.stdout_s)}"
+                    + (f", of it evaluating {_fmt(evaluating)}" if evaluating else "")
+                    + f"), job {t.wall_s:.1f} s",
+                    flush=True,
+                )
 
 
 def _report(args: argparse.Namespace, order: list[str], sides: dict, runs: dict, out: Path) -> None:
     shown = [s for s in order if not args.stages or s in args.stages]
     median = {side: {s: statistics.median(t.startup_s for t in runs[side][s]) for s in shown} for side in sides}
     each = " (median of the runs, each run's in brackets)" if args.repeats > 1 else ""
-    print(f"\n{'stage':14s}" + "".join(f" {side + '_s':>9s}" for side in sides) + (" ratio" if len(sides) > 1 else "")
-          + each)  # fmt: skip
+    print(
+        f"\n{'stage':14s}"
+        + "".join(f" {side + '_s':>9s}" for side in sides)
+        + (" ratio" if len(sides) > 1 else "")
+        + each
+    )
     for stage in shown:
         values = [median[side][stage] for side in sides]
         ratio = f" {values[0] / values[-1]:5.2f}" if len(values) > 1 else ""
-        spread = (" [" + "; ".join(" ".join(f"{t.startup_s:.1f}" for t in runs[side][stage]) for side in sides) + "]"
-                  if args.repeats > 1 else "")  # fmt: skip
+        spread = (
+            " [" + "; ".join(" ".join(f"{t.startup_s:.1f}" for t in runs[side][stage]) for side in sides) + "]"
+            if args.repeats > 1
+            else ""
+        )
         print(f"{stage:14s}" + "".join(f" {v:9.1f}" for v in values) + ratio + spread)
     if len(sides) > 1:
         for stage in shown:
             finals = [t.results() for side in sides for t in runs[side][stage]]
             keys = set.intersection(*(set(f) for f in finals))
             differ = sorted(k for k in keys if len({json.dumps(f[k]) for f in finals}) > 1)
-            values = "; ".join(f"{k} " + " / ".join(f"{f[k]:.6g}" if isinstance(f[k], float) else str(f[k])
-                                                    for f in finals) for k in differ)  # fmt: skip
-            print(f"{stage}: " + (f"final metrics differ (each run's, before then after): {values}" if differ else
-                                  f"the same {len(keys)} final metrics in every run, before and after"))  # fmt: skip
+            values = "; ".join(
+                f"{k} " + " / ".join(f"{f[k]:.6g}" if isinstance(f[k], float) else str(f[k]) for f in finals)
+                for k in differ
+            )
+            print(
+                f"{stage}: "
+                + (
+                    f"final metrics differ (each run's, before then after): {values}"
+                    if differ
+                    else f"the same {len(keys)} final metrics in every run, before and after"
+                )
+            )
     print(f"(job logs and run dirs: {out})")
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)

@@ -42,11 +42,18 @@ def main(argv: list[str] | None = None) -> None:
     if sync_s != sync_s:  # NaN: the code on the path has no controller-side timing
         raise SystemExit("this checkout's history has no timing/weight_sync_s")
     sender_s, buckets = new.mean("weight_sync_s"), new.mean("weight_sync_buckets")
-    print(f"[new] weight sync {sync_s:.3f} s of a {step_s:.2f} s step (rank 0's transfers {sender_s:.3f} s, "
-          f"{buckets:.0f} buckets)")  # fmt: skip
+    print(
+        f"[new] weight sync {sync_s:.3f} s of a {step_s:.2f} s step (rank 0's transfers {sender_s:.3f} s, "
+        f"{buckets:.0f} buckets)"
+    )
     f = _ppo_run.fmt
-    fields = {"share": sync_s / step_s, "weight_sync_s": sync_s, "step_s": step_s, "sender_s": sender_s,
-              "buckets": buckets}  # fmt: skip
+    fields = {
+        "share": sync_s / step_s,
+        "weight_sync_s": sync_s,
+        "step_s": step_s,
+        "sender_s": sender_s,
+        "buckets": buckets,
+    }
     if base is not None:
         fields["base_share"] = base.mean("weight_sync_s") / base.step_s
         fields["base_step_s"] = base.step_s

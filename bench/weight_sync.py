@@ -9,15 +9,11 @@ engine's prompt log-probs are checked against the trainer model's after the last
 is the summary:
 
     weight_sync: speedup=<x> per_tensor_s=<..> bucketed_s=<..> buckets=<n> broadcasts=<n>
-
-``--old``: run against a checkout of the code before buckets (``PYTHONPATH=<that checkout>``): only the old
-protocol (one header + one tensor broadcast per tensor) is timed, and the last line is ``weight_sync_old: s=<..>``.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import tempfile
@@ -27,11 +23,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _logprob_gap(engine, model, seqs) -> float:
-    import ray
+def _logprob_gap(engines, model, seqs) -> float:
     import torch
 
-    engine_lp = ray.get(engine.sequence_logprobs.remote(seqs))
+    from rlhf_core.distributed.rollout.engine import RolloutEngine
+
+    engine_lp = engines.handles.call(RolloutEngine.sequence_logprobs, seqs)[0]
     gap = 0.0
     with torch.no_grad():
         for s, lp in zip(seqs, engine_lp):
@@ -41,28 +38,19 @@ def _logprob_gap(engine, model, seqs) -> float:
     return gap
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up: first-use allocations, vLLM's reload path
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:medium", help="builtin:medium: the 24M-parameter model")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--bucket-mb", type=float, default=1024, help="the bucketed way's size (the config default)")
-    parser.add_argument("--old", action="store_true", help="time the pre-bucket protocol of the code on PYTHONPATH")
     args = parser.parse_args(argv)
 
     import ray
     import torch
 
-    from rlhf_core.distributed import rollout_engine
+    from rlhf_core.distributed.rollout.group import EngineGroup
+    from rlhf_core.distributed.weight_sync.buckets import MIB
+    from rlhf_core.distributed.weight_sync.sender import connect_weight_sync, sync_weights
     from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 
     tok = load_tokenizer(args.model)
@@ -82,32 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as path:
             model.save_pretrained(path)
             tok.save_pretrained(path)
-            (engine,) = rollout_engine.create_engines(1, path, backend="vllm", num_cpus_per_engine=1, kv_cache_gib=1)
-            ray.get(engine.ready.remote())
-            pre_bucket = "bucket_mb" not in inspect.signature(rollout_engine.connect_weight_sync).parameters
-            if args.old != pre_bucket:
-                raise SystemExit(
-                    f"--old {'needs' if args.old else 'is needed with'} the pre-bucket code on PYTHONPATH"
-                )
-            if pre_bucket:
-                sender = rollout_engine.connect_weight_sync([engine], group_name="bench_old")
-                sends = []
-
-                def old_sync() -> None:
-                    rollout_engine.sync_weights(sender, [engine], named)
-                    sends.append(sender.last_sync_s)
-
-                old_s = _timed(old_sync, args.repeats)
-                print(
-                    f"old protocol: sender's broadcasts {statistics.median(sends[1:]):.4f} s, engine vs trainer "
-                    f"log-prob gap {_logprob_gap(engine, trained, seqs):.1e}"
-                )
-                print(f"weight_sync_old: s={old_s:.4f} tensors={len(named)}")
-                return
-            from rlhf_core.distributed.weight_sync import MIB
-
-            sender = rollout_engine.connect_weight_sync([engine], backend="gloo", bucket_mb=args.bucket_mb,
-                                                        group_name="bench")  # fmt: skip
+            engines = EngineGroup.create(
+                1, path, eos_token_id=tok.eos_token_id, backend="vllm", num_cpus_per_engine=1, kv_cache_gib=1
+            )
+            engines.wait_ready()
+            sender = connect_weight_sync(engines.handles, backend="gloo", bucket_mb=args.bucket_mb, group_name="bench")
             ways = {"per_tensor": 1, "bucketed": int(args.bucket_mb * MIB)}
             times: dict[str, list[float]] = {w: [] for w in ways}
             send_s: dict[str, list[float]] = {w: [] for w in ways}
@@ -116,21 +83,25 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(args.repeats + 1):
                 for way, bucket_bytes in ways.items():
                     t0 = time.perf_counter()
-                    rollout_engine.sync_weights(sender, [engine], named, bucket_bytes=bucket_bytes)
+                    sync_weights(sender, engines.handles, named, bucket_bytes=bucket_bytes)
                     if r:
                         times[way].append(time.perf_counter() - t0)
                         send_s[way].append(sender.last_sync_s)
                     counts[way] = (sender.last_sync_buckets, sender.last_sync_broadcasts)
                     if r == args.repeats:
-                        gap = _logprob_gap(engine, trained, seqs)
-                        line = (f"{way}: {statistics.median(times[way]):.4f} s (sender's transfers "
-                                f"{statistics.median(send_s[way]):.4f} s), {counts[way][0]} buckets, "
-                                f"{counts[way][1]} broadcasts, engine vs trainer log-prob gap {gap:.1e}")  # fmt: skip
+                        gap = _logprob_gap(engines, trained, seqs)
+                        line = (
+                            f"{way}: {statistics.median(times[way]):.4f} s (sender's transfers "
+                            f"{statistics.median(send_s[way]):.4f} s), {counts[way][0]} buckets, "
+                            f"{counts[way][1]} broadcasts, engine vs trainer log-prob gap {gap:.1e}"
+                        )
                         print(line, flush=True)
             per_tensor_s, bucketed_s = (statistics.median(times[w]) for w in ways)
             buckets, broadcasts = counts["bucketed"]
-            print(f"weight_sync: speedup={per_tensor_s / bucketed_s:.2f} per_tensor_s={per_tensor_s:.4f} "
-                  f"bucketed_s={bucketed_s:.4f} buckets={buckets} broadcasts={broadcasts}")  # fmt: skip
+            print(
+                f"weight_sync: speedup={per_tensor_s / bucketed_s:.2f} per_tensor_s={per_tensor_s:.4f} "
+                f"bucketed_s={bucketed_s:.4f} buckets={buckets} broadcasts={broadcasts}"
+            )
     finally:
         ray.shutdown()
 

@@ -42,7 +42,7 @@ def deploy(pool: str, cron: str = "0 2 * * *", names: list[str] | None = None, o
                 concurrency_limit=1,
                 description=f"RLHF pipeline, preset {params['preset']}",
                 print_next_steps=False,
-            )  # fmt: skip
+            )
         )
     return ids
 

@@ -36,13 +36,14 @@ def _params(args: argparse.Namespace, **extra):
 
 def _saved_params(run_name: str, run_uri: str | None):
     from flows.rlhf_pipeline import ROOT, PipelineParams
+    from rlhf_core.run_layout import PARAMS
     from rlhf_core.storage import ObjectStore, storage_options_for
 
     uri = run_uri or str(ROOT / "runs" / run_name)
     store = ObjectStore(uri, storage_options_for(uri))
-    if not store.exists("pipeline.json"):
-        raise ConfigError(f"no run named {run_name!r} at {uri} (pipeline.json missing); give --run-uri")
-    return PipelineParams(**store.read_json("pipeline.json"))
+    if not store.exists(PARAMS):
+        raise ConfigError(f"no run named {run_name!r} at {uri} ({PARAMS} missing); give --run-uri")
+    return PipelineParams(**store.read_json(PARAMS))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,9 +65,13 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--run-uri", default=None, help="where artifacts go (default runs/<run name>)")
     for p in (run_p, stage_p):
         p.add_argument("--run-name", default=None, help="default: the preset's name")
-        p.add_argument("--shared-ray", action=argparse.BooleanOptionalAction, default=True,
-                       help="one Ray for the run's stage jobs, started and stopped by the run (shared_ray; "
-                       "--no-shared-ray: each job starts its own)")  # fmt: skip
+        p.add_argument(
+            "--shared-ray",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="one Ray for the run's stage jobs, started and stopped by the run (shared_ray; "
+            "--no-shared-ray: each job starts its own)",
+        )
     args = parser.parse_args(argv)
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"report: {report}")
         return
     from flows.console import StageConsole
-    from flows.rlhf_pipeline import rlhf_pipeline, summary_markdown
+    from flows.report import summary_markdown
+    from flows.rlhf_pipeline import rlhf_pipeline
     from tasks import progress
 
     try:

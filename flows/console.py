@@ -179,8 +179,13 @@ class StageConsole:
     def _draw(self, name: str, stage: _Stage) -> None:
         if self.progress is None:
             return
-        fields = {"metrics": stage.metrics, "note": ", ".join(stage.notes), "rate": stage.rate,
-                  "eta_at": stage.eta_at, "stepped": stage.total is not None}  # fmt: skip
+        fields = {
+            "metrics": stage.metrics,
+            "note": ", ".join(stage.notes),
+            "rate": stage.rate,
+            "eta_at": stage.eta_at,
+            "stepped": stage.total is not None,
+        }
         total, completed = (1, 1) if stage.done and stage.total is None else (stage.total, stage.step)  # a full bar
         if stage.task is None:
             stage.task = self.progress.add_task(name, total=total, completed=completed, **fields)

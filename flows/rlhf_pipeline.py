@@ -25,10 +25,13 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from pydantic import BaseModel, Field
 
+from flows.report import iteration_rows, stage_row, summary_markdown
+from rlhf_core import run_layout
 from rlhf_core.config import ConfigError, PipelineConfig, load_config, redact_url, to_yaml
+from rlhf_core.run_layout import open_store
 from tasks import progress
 from tasks._launch import ROOT, kill_all_jobs, shared_ray
-from tasks.stages import RESULTS, RunSpec, existing_refs, open_store, stage_task
+from tasks.stages import RunSpec, existing_refs, stage_task
 
 PRESETS = ROOT / "deployments" / "configs"
 SECRET_KEYS = ("storage.key", "storage.secret")
@@ -39,18 +42,23 @@ class PipelineParams(BaseModel):
 
     preset: str = Field("tiny", description="Preset name in deployments/configs/ (tiny, demo) or a YAML path.")
     overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. ppo.train.max_steps=4")
-    run_name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Names the run; "
-                          "a rerun with the same name resumes it.")  # fmt: skip
+    run_name: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Names the run; a rerun with the same name resumes it.",
+    )
     run_uri: str | None = Field(
         None, description="Artifacts location (path, file://, s3://); default runs/<run_name>."
     )
     stages: list[str] | None = Field(None, description="Run only these stage instances (their inputs must exist).")
     task_retries: int = Field(2, ge=0, description="Retries of a failed stage (each resumes from its checkpoint).")
-    shared_ray: bool = Field(True, description="One Ray for the run: the flow starts a local Ray head, every stage "
-                             "job joins it instead of starting its own Ray (seconds per stage; the workers are then "
-                             "the head's processes, not the job's), and the head stops with the run. False: each job "
-                             "starts its own Ray. Ignored when RAY_ADDRESS is set (the jobs join that cluster).",
-                             )  # fmt: skip
+    shared_ray: bool = Field(
+        True,
+        description="One Ray for the run: the flow starts a local Ray head, every stage "
+        "job joins it instead of starting its own Ray (seconds per stage; the workers are then "
+        "the head's processes, not the job's), and the head stops with the run. False: each job "
+        "starts its own Ray. Ignored when RAY_ADDRESS is set (the jobs join that cluster).",
+    )
 
 
 def preset_path(preset: str) -> Path:
@@ -87,14 +95,16 @@ def resolve(params: PipelineParams) -> tuple[PipelineConfig, str]:
         run_uri = str(ROOT / run_uri)
     cfg = load_config(preset_path(params.preset), [*params.overrides, f"run_uri={run_uri}"])
     if cfg.storage.key or cfg.storage.secret:
-        raise ConfigError("the pipeline takes S3 credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY only: "
-                          "remove storage.key / storage.secret from the preset")  # fmt: skip
+        raise ConfigError(
+            "the pipeline takes S3 credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY only: "
+            "remove storage.key / storage.secret from the preset"
+        )
     return cfg, run_uri
 
 
 def result_storage(cfg: PipelineConfig) -> Any:
     """Prefect result storage inside the run's own location (a saved block: Prefect requires one)."""
-    base = open_store(cfg).uri(RESULTS)
+    base = open_store(cfg).uri(run_layout.RESULTS)
     name = "rlhf-results-" + hashlib.sha256(base.encode()).hexdigest()[:12]
     if "://" in base and not base.startswith("file://"):
         endpoint = cfg.storage.endpoint_url
@@ -115,8 +125,8 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B
     logger = get_run_logger()
     cfg, run_uri = resolve(params)
     store = open_store(cfg)
-    store.write_text("config.yaml", to_yaml(cfg))
-    store.write_json("pipeline.json", params.model_dump())
+    store.write_text(run_layout.CONFIG, to_yaml(cfg))
+    store.write_json(run_layout.PARAMS, params.model_dump())
     create_markdown_artifact(f"```yaml\n{to_yaml(cfg)}```", key="resolved-config", description=f"config of {run_uri}")
     run = RunSpec(params.run_name, run_uri, _local_config(cfg, params.run_name))
     storage = result_storage(cfg)
@@ -137,66 +147,45 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:  # noqa: B
             started = time.time()
             task = stage_task(stage, cfg.kind(stage), storage, params.task_retries)
             state = task(run, stage, dict(refs), return_state=True)
-            row = {
-                "stage": stage,
-                "kind": cfg.kind(stage),
-                "state": state.name,
-                "duration_s": round(time.time() - started, 1),
-                "attempts": _attempts(state),
-            }
-            if state.is_completed():
-                refs[stage] = state.result()
-                row.update(uri=refs[stage]["uri"], metrics=_key_metrics(refs[stage]["metrics"]))
-            row["notes"] = stage_notes(row)
+            duration_s = time.time() - started
+            ref = state.result() if state.is_completed() else None
+            if ref is not None:
+                refs[stage] = ref
+            row = stage_row(stage, cfg.kind(stage), state, duration_s, ref)
             rows.append(row)
-            progress.publish({"event": "finished", "stage": stage, "kind": row["kind"], "state": state.name,
-                              "duration_s": row["duration_s"],
-                              "metrics": refs[stage]["metrics"] if state.is_completed() else {}})  # fmt: skip
+            progress.publish(
+                {
+                    "event": "finished",
+                    "stage": stage,
+                    "kind": row["kind"],
+                    "state": state.name,
+                    "duration_s": row["duration_s"],
+                    "metrics": ref["metrics"] if ref is not None else {},
+                }
+            )
             logger.info(f"{stage}: {state.name} in {row['duration_s']} s")
             if not state.is_completed():
                 failure = state.result(raise_on_failure=False)
                 break
-    summary = {"run_name": params.run_name, "run_uri": run_uri, "stages": rows,
-               "state": "Failed" if failure else "Completed"}  # fmt: skip
+    summary = {
+        "run_name": params.run_name,
+        "run_uri": run_uri,
+        "stages": rows,
+        "state": "Failed" if failure else "Completed",
+    }
     if cfg.iterations:
         summary["iterations"] = iteration_rows(cfg, refs)
         create_table_artifact(
-            summary["iterations"], key="gold-per-iteration",
+            summary["iterations"],
+            key="gold-per-iteration",
             description=f"{params.run_name}: gold reward (and KL to the reference) per loop iteration; iteration 0 = "
             "the stages before the loop",
-        )  # fmt: skip
-    store.write_json("run_summary.json", summary)
+        )
+    store.write_json(run_layout.SUMMARY, summary)
     create_markdown_artifact(summary_markdown(summary), key="run-summary", description=f"{params.run_name}")
     if failure is not None:
         raise failure if isinstance(failure, BaseException) else RuntimeError(str(failure))
     return summary
-
-
-def _attempts(state: Any) -> int:
-    """How many times the task ran (1, or more after retries; 0 for a result found by its cache key)."""
-    from prefect.client.orchestration import get_client
-
-    task_run_id = state.state_details.task_run_id
-    if task_run_id is None:
-        return 1
-    try:
-        with get_client(sync_client=True) as client:
-            return client.read_task_run(task_run_id).run_count
-    except Exception:  # the summary's note only: never fail the run over it
-        return 1
-
-
-def stage_notes(row: dict) -> str:
-    """What the state name alone does not say at a glance: a retry, a resume, a stage that did not run."""
-    notes = []
-    if row["state"] == "Cached":
-        notes.append("not run: output committed for this config")
-    if row.get("attempts", 1) > 1:
-        notes.append(f"attempt {row['attempts']} (retried)")
-    resumed = row.get("metrics", {}).get("resumed_from_step")
-    if resumed and row["state"] != "Cached":
-        notes.append(f"resumed from step {int(resumed)}")
-    return ", ".join(notes)
 
 
 def _local_config(cfg: PipelineConfig, run_name: str) -> str:
@@ -207,55 +196,6 @@ def _local_config(cfg: PipelineConfig, run_name: str) -> str:
     path = folder / f"{run_name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
     path.write_text(text.replace("'***'", "null"))
     return str(path)
-
-
-KEY_METRICS = (
-    "loss_start", "loss_end", "eval_accuracy", "reward_mean", "reward_std", "critic_loss", "gold_reward_before",
-    "gold_reward_after", "rm_score_before", "rm_score_after", "kl_to_ref_after", "steps", "resumed_from_step",
-    "eval_margin", "gold_reward", "kl_to_ref", "responses", "rows_out", "score_mean",
-)  # fmt: skip
-
-
-ITERATION_METRICS = ("gold_reward", "kl_to_ref", "gold_reward_after", "kl_to_ref_after")
-
-
-def iteration_rows(cfg: PipelineConfig, refs: dict[str, dict]) -> list[dict]:
-    """One row per loop iteration (0: the stages outside the loop that ran before it) with the gold reward and KL
-    of each stage that measured them (``<stage>/<metric>``, loop stages under their name without ``_<i>``)."""
-    rows: dict[int, dict] = {}
-    for stage in cfg.order():
-        metrics = refs.get(stage, {}).get("metrics", {})
-        found = {k: metrics[k] for k in ITERATION_METRICS if metrics.get(k) is not None}
-        i = cfg.iterations.get(stage, 0)
-        if not found:
-            continue
-        base = stage.removesuffix(f"_{i}") if i else stage
-        row = rows.setdefault(i, {"iteration": i})
-        row.update({f"{base}/{k}": round(v, 4) for k, v in found.items()})
-    return [rows[i] for i in sorted(rows)]
-
-
-def _key_metrics(metrics: dict) -> dict:
-    return {k: metrics[k] for k in KEY_METRICS if metrics.get(k) is not None}
-
-
-def summary_markdown(summary: dict) -> str:
-    lines = [f"# RLHF run `{summary['run_name']}`: {summary['state']}", "", f"Artifacts: `{summary['run_uri']}`", "",
-             "| stage | state | notes | duration (s) | key metrics | model |", "|---" * 6 + "|"]  # fmt: skip
-    for row in summary["stages"]:
-        metrics = ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.get("metrics", {}).items()
-        )
-        lines.append(f"| {row['stage']} | {row['state']} | {row.get('notes', '')} | {row['duration_s']} | {metrics} | "
-                     f"`{row.get('uri', '')}` |")  # fmt: skip
-    if summary.get("iterations"):
-        columns = sorted({k for row in summary["iterations"] for k in row if k != "iteration"})
-        lines += ["", "Gold reward per iteration:", "", "| iteration | " + " | ".join(columns) + " |",
-                  "|---" * (len(columns) + 1) + "|"]  # fmt: skip
-        for row in summary["iterations"]:
-            cells = [str(row.get(c, "")) for c in columns]
-            lines.append(f"| {row['iteration']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ from typing import Any
 
 import yaml
 
-from rlhf_core import curves
+from rlhf_core import curves, run_layout
 from rlhf_core.config import ConfigError, flatten
-from rlhf_core.storage import ObjectStore, StorageError, one_line, storage_options_for
+from rlhf_core.errors import one_line
+from rlhf_core.storage import ObjectStore, StorageError, storage_options_for
 
 REPORT_NAME = "compare.md"
 # Always different between two runs and shown as the run's location already: left out of the config table.
@@ -103,28 +104,28 @@ def load_run(arg: str, runs_root: str | Path = "runs") -> RunData:
     run = RunData(arg, label, uri)
     store = ObjectStore(uri, storage_options_for(uri))
     try:
-        names = [d for d in store.list_dirs() if not d.startswith(("_", ".")) and not d.endswith(".next")]
-        found = [d for d in names if store.exists(f"{d}/metrics.json")]
-        has_config = store.exists("config.yaml")
+        names = [d for d in store.list_dirs() if run_layout.is_stage_dir(d)]
+        found = [d for d in names if store.exists(run_layout.metrics(d))]
+        has_config = store.exists(run_layout.CONFIG)
     except Exception as e:  # an unreachable store, bad credentials: one line naming the run
         raise ConfigError(f"{arg!r}: cannot read {uri} ({one_line(f'{type(e).__name__}: {e}')})") from None
     if not found:
-        raise ConfigError(f"{arg!r} is not a run: no stage folder with a metrics.json in {uri}")
+        raise ConfigError(f"{arg!r} is not a run: no stage folder with a {run_layout.METRICS} in {uri}")
     order: list[str] = []
     if has_config:
         try:
-            tree = yaml.safe_load(store.read_text("config.yaml")) or {}
+            tree = yaml.safe_load(store.read_text(run_layout.CONFIG)) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{arg!r}: {uri}/config.yaml is not valid YAML ({one_line(str(e))})") from None
+            raise ConfigError(f"{arg!r}: {uri}/{run_layout.CONFIG} is not valid YAML ({one_line(str(e))})") from None
         if not isinstance(tree, dict):
-            raise ConfigError(f"{arg!r}: {uri}/config.yaml is not a mapping of config keys")
+            raise ConfigError(f"{arg!r}: {uri}/{run_layout.CONFIG} is not a mapping of config keys")
         run.config = config_keys(tree)
         order = [s for s in tree.get("stages") or {} if s in found]  # the pipeline order
     for stage in order + sorted(s for s in found if s not in order):
         try:
-            metrics = json.loads(store.read_text(f"{stage}/metrics.json"))
+            metrics = json.loads(store.read_text(run_layout.metrics(stage)))
         except ValueError as e:
-            raise ConfigError(f"{arg!r}: {uri}/{stage}/metrics.json is not valid JSON ({e})") from None
+            raise ConfigError(f"{arg!r}: {uri}/{run_layout.metrics(stage)} is not valid JSON ({e})") from None
         run.stages[stage] = {"history": list(metrics.get("history") or []), "final": dict(metrics.get("final") or {})}
     return run
 
@@ -186,11 +187,13 @@ def report_markdown(runs: list[RunData], image_ref: Callable[[str], str], images
     with_config = [run for run in runs if run.config is not None]
     without = [run.label for run in runs if run.config is None]
     if without:
-        lines += [f"No config.yaml in {', '.join(without)} (a pipeline run writes one; a stage job alone does not)."]
+        lines += [
+            f"No {run_layout.CONFIG} in {', '.join(without)} (a pipeline run writes one; a stage job alone does not)."
+        ]
         lines += [""]
     diffs = config_differences(runs)
     if len(with_config) < 2:
-        lines += ["Fewer than two runs have a config.yaml: nothing to compare."]
+        lines += [f"Fewer than two runs have a {run_layout.CONFIG}: nothing to compare."]
     elif not diffs:
         lines += ["No config key differs between " + ", ".join(r.label for r in with_config) + "."]
     else:

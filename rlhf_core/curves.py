@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rlhf_core import timing
+from rlhf_core import run_layout, timing
 from rlhf_core.storage import ObjectStore
 
 # Panels in this order, each the metrics drawn together; a panel whose metrics a history lacks is left out.
@@ -33,8 +33,19 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("learning rate", ("lr", "actor_lr", "critic_lr")),
 )
 # Per-step bookkeeping rather than training signals: never given a panel of their own.
-SKIP = frozenset({"step", "prompts", "actor_frozen", "weight_sync_broadcasts", "weight_sync_buckets",
-                  "weight_sync_mib", "weight_sync_s", "sync_s", "rollout_logprob_max_diff"})  # fmt: skip
+SKIP = frozenset(
+    {
+        "step",
+        "prompts",
+        "actor_frozen",
+        "weight_sync_broadcasts",
+        "weight_sync_buckets",
+        "weight_sync_mib",
+        "weight_sync_s",
+        "sync_s",
+        "rollout_logprob_max_diff",
+    }
+)
 MAX_PANELS = 12
 TIMING_PANEL = "step phases (s)"
 
@@ -100,8 +111,13 @@ def figure(series: Mapping[str, list[dict]], title: str) -> Any:
                     continue
                 shown = timing.phase_of(key) or key  # "generation" for timing/generation_s
                 parts = [p for p in (label if len(series) > 1 else "", shown if len(keys) > 1 else "") if p]
-                ax.plot(steps, values, marker="o" if len(steps) <= 40 else None, markersize=3,
-                        label=": ".join(parts) or None)  # fmt: skip
+                ax.plot(
+                    steps,
+                    values,
+                    marker="o" if len(steps) <= 40 else None,
+                    markersize=3,
+                    label=": ".join(parts) or None,
+                )
         ax.set_title(heading, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -120,9 +136,15 @@ def save_png(store: ObjectStore, stage: str, kind: str, history: list[dict]) -> 
     """``<stage>/curves.png`` beside ``metrics.json``. Best effort: a stage that trained must not fail over its
     figure (one warning line instead)."""
     try:
-        store.write_bytes(f"{stage}/curves.png", figure_png({stage: history}, f"{stage} ({kind})" if kind else stage))
+        store.write_bytes(
+            run_layout.curves(stage), figure_png({stage: history}, f"{stage} ({kind})" if kind else stage)
+        )
     except Exception as e:
-        print(f"warning: [{stage}] curves.png was not written ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        print(
+            f"warning: [{stage}] {run_layout.CURVES} was not written ({type(e).__name__}: {e})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def data_uri(png: bytes) -> str:
@@ -136,8 +158,9 @@ def logged_steps(history: list[dict]) -> list[int]:
 STATUS = {"running": "running, redrawn as steps are logged", "final": "final", "failed": "the job failed here"}
 
 
-def stage_markdown(stage: str, kind: str, history: list[dict], total: int | None, status: str,
-                   table_rows: int = 12) -> str:  # fmt: skip
+def stage_markdown(
+    stage: str, kind: str, history: list[dict], total: int | None, status: str, table_rows: int = 12
+) -> str:
     """The curves artifact of one stage: the figure inline (a data URI, which the Prefect UI renders without a file
     server), a line saying how far the stage is (``status``: a key of ``STATUS``), and the last logged values as a
     table."""
@@ -145,14 +168,24 @@ def stage_markdown(stage: str, kind: str, history: list[dict], total: int | None
     where = f"{len(steps)} logged step{'s' * (len(steps) != 1)}"
     if steps:
         where += f", last step {steps[-1]}" + (f" of {total}" if total else "")
-    lines = [f"# {stage} ({kind}): training curves", "", f"**{STATUS[status]}**: {where}", "",
-             f"![{stage} curves]({data_uri(figure_png({stage: history}, f'{stage} ({kind})'))})", ""]  # fmt: skip
+    lines = [
+        f"# {stage} ({kind}): training curves",
+        "",
+        f"**{STATUS[status]}**: {where}",
+        "",
+        f"![{stage} curves]({data_uri(figure_png({stage: history}, f'{stage} ({kind})'))})",
+        "",
+    ]
     layout = panels([history])
     keys = [k for _, names in layout for k in names]
     if steps and keys:
         shown = history[-table_rows:]
-        lines += [f"Last {len(shown)} logged steps:", "", "| step | " + " | ".join(keys) + " |",
-                  "|---" * (len(keys) + 1) + "|"]  # fmt: skip
+        lines += [
+            f"Last {len(shown)} logged steps:",
+            "",
+            "| step | " + " | ".join(keys) + " |",
+            "|---" * (len(keys) + 1) + "|",
+        ]
         for e in shown:
             cells = [f"{e[k]:.4g}" if is_number(e.get(k)) else "" for k in keys]
             lines.append(f"| {e.get('step', '')} | " + " | ".join(cells) + " |")

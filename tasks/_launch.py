@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from rlhf_core import run_layout
 from rlhf_core.config import PipelineConfig
 from rlhf_core.events import EVENTS_ENV, read_new
 from rlhf_core.jobs.common import ORCHESTRATOR_ENV
@@ -80,18 +81,42 @@ def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]
     machine), by ``kill_all_jobs``, and by its guard (``guard_head``) when this process is gone without either."""
     temp = Path(tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     port = free_port("127.0.0.1")
-    ports = [f"--{name}={free_port('127.0.0.1')}" for name in ("dashboard-port", "ray-client-server-port",
-             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-             "metrics-export-port")]  # fmt: skip
+    ports = [
+        f"--{name}={free_port('127.0.0.1')}"
+        for name in (
+            "dashboard-port",
+            "ray-client-server-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+        )
+    ]
     n = int(-(-max(float(os.cpu_count() or 1), cpus or 1) // 1))
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}",
-           "--node-ip-address=127.0.0.1", f"--num-cpus={n}", "--include-dashboard=false", f"--temp-dir={temp}",
-           "--disable-usage-stats", *ports]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        f"--num-cpus={n}",
+        "--include-dashboard=false",
+        f"--temp-dir={temp}",
+        "--disable-usage-stats",
+        *ports,
+    ]
     log = temp / "ray-start.log"
     guard = [sys.executable, "-m", "tasks._procs", GUARD_HEAD, str(os.getpid()), str(temp), "--", *cmd]
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(guard, cwd=ROOT, env={**os.environ, **HEAD_ENV}, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            guard,
+            cwd=ROOT,
+            env={**os.environ, **HEAD_ENV},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     _HEADS[proc.pid] = (proc, temp)
     try:
         deadline = time.time() + timeout_s
@@ -163,17 +188,28 @@ def launch_stage(
     events_file = Path(tempfile.mkstemp(prefix=f"{stage}-events-", suffix=".jsonl")[1])
     cmd = [sys.executable, "-m", module, "--config", config_path, "--stage", stage]
     # RAY_COLOR_PREFIX=0: the workers' lines reach the run log and the terminal without ANSI colour codes
-    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", "RAY_COLOR_PREFIX": "0",
-                 "HF_HUB_DISABLE_PROGRESS_BARS": "1", EVENTS_ENV: str(events_file),
-                 ORCHESTRATOR_ENV: str(os.getpid())}  # fmt: skip
+    child_env = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONUNBUFFERED": "1",
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_COLOR_PREFIX": "0",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        EVENTS_ENV: str(events_file),
+        ORCHESTRATOR_ENV: str(os.getpid()),
+    }
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        cmd,
+        cwd=ROOT,
+        env=child_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
         start_new_session=True,
-    )  # fmt: skip
-    _LIVE[proc.pid] = proc
-    store.write_json(
-        f"_launches/{stage}-{time.time_ns()}.json", {"stage": stage, "pid": proc.pid, "time": time.time()}
     )
+    _LIVE[proc.pid] = proc
+    store.write_json(run_layout.launch(stage, time.time_ns()), {"stage": stage, "pid": proc.pid, "time": time.time()})
     tail: list[str] = []
     results: list[dict] = []
     finished = threading.Event()

@@ -20,7 +20,7 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 
-from rlhf_core import curves
+from rlhf_core import curves, run_layout
 from rlhf_core.storage import ObjectStore
 
 EVERY_ENV = "RLHF_CURVES_EVERY_S"
@@ -59,7 +59,7 @@ class LiveCurves:
         before a resume, which this task never saw), after a failed one the steps it logged. Best effort: a stage
         that trained must not fail, and be retried, over its figure."""
         try:
-            rel = f"{self.stage}/metrics.json"
+            rel = run_layout.metrics(self.stage)
             saved = store.read_json(rel).get("history") if not failed and store.exists(rel) else None
             if saved or self.history:
                 self._publish(saved or self.history, "failed" if failed else "final")

@@ -21,14 +21,13 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.context import TaskRunContext
 from prefect.states import Completed
 
+from rlhf_core import run_layout
 from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config, stage_hash
-from rlhf_core.jobs.common import committed_ref, existing_output, open_store
+from rlhf_core.run_layout import committed_ref, existing_output, open_store
 from rlhf_core.timing import phase_rows
 from tasks import progress
 from tasks._launch import StageJobError, launch_stage
 from tasks.live_curves import LiveCurves
-
-RESULTS = "_prefect/results"  # under the run's location; flows.rlhf_pipeline.result_storage points there
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     key = f"rlhf-{run.run_name}-{stage}-{config_hash}"
     store = open_store(cfg)
     if existing_output(store, stage, config_hash) is None:
-        store.delete(f"{RESULTS}/{key}")  # a cached reference to an output that is gone or changed: drop it
+        store.delete(run_layout.result(key))  # a cached reference to an output that is gone or changed: drop it
     return key
 
 
@@ -116,19 +115,23 @@ def run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> Any:
     if phases:
         steps = int(ref["metrics"].get("timing/steps", 0))
         create_table_artifact(
-            phases, key=f"{key}-timing",
+            phases,
+            key=f"{key}-timing",
             description=f"{stage} ({spec.kind}): seconds per step phase, mean and total over {steps} steps, and the "
             "share of the step (concurrent phases overlap)",
-        )  # fmt: skip
+        )
     return ref
 
 
 def stage_task(stage: str, kind: str, result_storage: Any, retries: int) -> Any:
     """The task for one instance: ``run_stage`` named after it."""
     return run_stage.with_options(
-        name=stage, task_run_name=stage, description=STAGE_KINDS[kind].description, result_storage=result_storage,
+        name=stage,
+        task_run_name=stage,
+        description=STAGE_KINDS[kind].description,
+        result_storage=result_storage,
         retries=retries,
-    )  # fmt: skip
+    )
 
 
 def existing_refs(cfg: PipelineConfig, names: list[str]) -> dict[str, dict]:

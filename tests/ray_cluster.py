@@ -43,16 +43,39 @@ def cluster_env(drop: tuple[str, ...] = ()) -> dict[str, str]:
 def start_raylet(
     temp_dir: Path, cpus: int, resources: dict[str, float], head_port: int, head: bool, env: dict[str, str]
 ) -> subprocess.Popen:
-    ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                     "runtime-env-agent-port", "metrics-export-port")]  # fmt: skip
+    ports = [
+        f"--{name}={free_port()}"
+        for name in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+        )
+    ]
     if head:
-        where = ["--head", f"--port={head_port}", f"--dashboard-port={free_port()}", "--include-dashboard=false",
-                 f"--ray-client-server-port={free_port()}"]  # fmt: skip
+        where = [
+            "--head",
+            f"--port={head_port}",
+            f"--dashboard-port={free_port()}",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}",
+        ]
     else:
         where = [f"--address=127.0.0.1:{head_port}"]
-    cmd = [RAY, "start", "--block", *where, "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--num-gpus=0",
-           f"--resources={json.dumps(resources)}", f"--temp-dir={temp_dir}", "--object-store-memory=200000000",
-           "--disable-usage-stats", *ports]  # fmt: skip
+    cmd = [
+        RAY,
+        "start",
+        "--block",
+        *where,
+        "--node-ip-address=127.0.0.1",
+        f"--num-cpus={cpus}",
+        "--num-gpus=0",
+        f"--resources={json.dumps(resources)}",
+        f"--temp-dir={temp_dir}",
+        "--object-store-memory=200000000",
+        "--disable-usage-stats",
+        *ports,
+    ]
     with open(temp_dir / "raylet.out", "w") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -42,10 +42,14 @@ def add_remote_code(folder: Path, model_type: str, architecture: str) -> Path:
     (folder / f"configuration_{model_type}.py").write_text(_CONFIG.format(model_type=model_type))
     (folder / f"modeling_{model_type}.py").write_text(_MODELLING.format(model_type=model_type))
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type=model_type, architectures=[architecture], auto_map={
-        "AutoConfig": f"configuration_{model_type}.ProbeConfig",
-        "AutoModelForCausalLM": f"modeling_{model_type}.ProbeForCausalLM",
-        "AutoModelForSequenceClassification": f"modeling_{model_type}.ProbeForSequenceClassification",
-    })  # fmt: skip
+    config.update(
+        model_type=model_type,
+        architectures=[architecture],
+        auto_map={
+            "AutoConfig": f"configuration_{model_type}.ProbeConfig",
+            "AutoModelForCausalLM": f"modeling_{model_type}.ProbeForCausalLM",
+            "AutoModelForSequenceClassification": f"modeling_{model_type}.ProbeForSequenceClassification",
+        },
+    )
     (folder / "config.json").write_text(json.dumps(config))
     return folder

@@ -1,105 +1,544 @@
-"""The dependency rules of the layout, checked on the source: arrows point one way."""
+"""The shape of the code, checked on the source: arrows point one way, no cycles, modules stay small, each fact has
+one home. Every failure lists its offenders as ``path:line: what``."""
 
 import ast
+import io
+import re
+import tokenize
+import warnings
+from functools import cache
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("rlhf_core", "tasks", "flows", "deployments")
 HEAVY = {"ray", "deepspeed", "vllm"}
 
 
-def imported_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading the source: files, module names, imports
+
+
+def source_files(*dirs: str) -> list[Path]:
+    return sorted(path for d in dirs for path in (ROOT / d).rglob("*.py"))
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def project_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in source_files(*LAYERS)}
+
+
+@cache
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def walk(tree: ast.AST) -> list[ast.AST]:
+    """``ast.walk`` in source order, so that offenders are listed by line."""
+    return sorted(ast.walk(tree), key=lambda node: (getattr(node, "lineno", 0), getattr(node, "col_offset", 0)))
+
+
+def fail_on(offenders: list[str], rule: str) -> None:
+    if offenders:
+        pytest.fail(f"{rule}:\n" + "\n".join(offenders), pytrace=False)
+
+
+def from_base(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` reads from, relative imports resolved against ``path``."""
+    if node.level == 0:
+        return node.module or ""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    package = package[: len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``, function-level ones included; ``from pkg import name`` gives
+    ``pkg.name`` when that is a module of the project, else ``pkg``."""
+    found = []
+    for node in walk(parse(path)):
         if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = from_base(path, node)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if sub in project_modules() else base))
+    return found
+
+
+@cache
+def bindings(module: str) -> dict[str, tuple[int, str, str | None]]:
+    """What the module-level imports of ``module`` bind: name -> (line, source module, attribute of it, or None when
+    the name is the module itself). Function-level imports bind locals, not attributes, and are left out."""
+    path = project_modules()[module]
+    out: dict[str, tuple[int, str, str | None]] = {}
+    stack: list[ast.stmt] = list(parse(path).body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    out[alias.asname] = (node.lineno, alias.name, None)
+                else:
+                    out[alias.name.split(".")[0]] = (node.lineno, alias.name.split(".")[0], None)
+        elif isinstance(node, ast.ImportFrom):
+            base = from_base(path, node)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                target = (sub, None) if sub in project_modules() else (base, alias.name)
+                out[alias.asname or alias.name] = (node.lineno, *target)
+        elif isinstance(node, (ast.If, ast.Try)):  # `if TYPE_CHECKING:`, `try: import x`
+            stack += node.body + node.orelse + getattr(node, "finalbody", [])
+            stack += [stmt for handler in getattr(node, "handlers", []) for stmt in handler.body]
+    return out
+
+
+def origin(module: str, name: str) -> list[tuple[str, str | None]]:
+    """The (module, name) steps that ``module.name`` takes through re-imports inside the project, ending where it is
+    made; a name that is itself a module ends as (that module, None)."""
+    chain: list[tuple[str, str | None]] = [(module, name)]
+    while len(chain) < 20:  # a re-import loop cannot run forever
+        here, attr = chain[-1]
+        bound = bindings(here).get(attr) if here in project_modules() and attr is not None else None
+        if bound is None and f"{here}.{attr}" in project_modules():  # `from pkg import submodule`
+            bound = (0, f"{here}.{attr}", None)
+        if bound is None:
+            break
+        chain.append((bound[1], bound[2]))
+    return chain
+
+
+def _is_jobs(module: str) -> bool:
+    return module == "rlhf_core.jobs" or module.startswith("rlhf_core.jobs.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layers
 
 
 def test_rlhf_core_never_imports_prefect_and_engines_only_in_distributed():
+    """rlhf_core imports neither Prefect nor an upper layer; Ray, DeepSpeed and vLLM only in rlhf_core/distributed."""
     offenders = []
-    for path in sorted((ROOT / "rlhf_core").rglob("*.py")):
-        tops = {name.split(".")[0] for name in imported_modules(path)}
-        rel = path.relative_to(ROOT)
-        if "prefect" in tops or {"tasks", "flows", "deployments"} & tops:
-            offenders.append(f"{rel}: imports an upper layer")
-        if HEAVY & tops and rel.parts[1] != "distributed":
-            offenders.append(f"{rel}: imports {sorted(HEAVY & tops)} outside rlhf_core/distributed")
-    assert not offenders, offenders
+    for path in source_files("rlhf_core"):
+        in_distributed = path.relative_to(ROOT).parts[1] == "distributed"
+        for line, name in imports(path):
+            top = name.split(".")[0]
+            if top in {"prefect", "tasks", "flows", "deployments"}:
+                offenders.append(f"{rel(path)}:{line}: imports {name}, an upper layer")
+            if top in HEAVY and not in_distributed:
+                offenders.append(f"{rel(path)}:{line}: imports {name} outside rlhf_core/distributed")
+    fail_on(offenders, "rlhf_core points down only")
+
+
+ALGOS_MAY_IMPORT = {"torch", "math", "__future__", "typing", "collections", "dataclasses", "rlhf_core"}
 
 
 def test_algos_are_torch_only():
-    for path in (ROOT / "rlhf_core" / "algos").rglob("*.py"):
-        tops = {name.split(".")[0] for name in imported_modules(path)}
-        assert tops <= {"torch", "math", "__future__", "typing", "collections", "dataclasses"}, (path, tops)
+    """rlhf_core/algos needs torch and the standard library only, and of the project only other algos modules."""
+    offenders = []
+    for path in source_files("rlhf_core/algos"):
+        for line, name in imports(path):
+            if name.split(".")[0] not in ALGOS_MAY_IMPORT or (
+                name.startswith("rlhf_core") and not name.startswith("rlhf_core.algos")
+            ):
+                offenders.append(f"{rel(path)}:{line}: imports {name}")
+    fail_on(offenders, "algos are torch-only")
 
 
 def test_upper_layers_only_point_down():
+    """tasks import only rlhf_core and tasks; flows only rlhf_core, tasks and flows."""
     allowed = {"tasks": {"rlhf_core", "tasks"}, "flows": {"rlhf_core", "tasks", "flows"}}
-    offenders = []
-    for layer, ok in allowed.items():
-        for path in sorted((ROOT / layer).rglob("*.py")):
-            ours = {n.split(".")[0] for n in imported_modules(path)} & {"rlhf_core", "tasks", "flows", "deployments"}
-            if ours - ok:
-                offenders.append(f"{path.relative_to(ROOT)} imports {sorted(ours - ok)}")
-    assert not offenders, offenders
-
-
-REMOTE_CALLS = {"call", "call_async", "call_each", "call_each_async", "collective_rpc"}
-
-
-def test_no_remote_call_by_method_name_string():
-    """Role methods are called through the role's own method objects (a grep finds the callers, a wrong signature
-    fails at once), never by a method name in a string."""
-    offenders = []
-    for layer in ("rlhf_core", "tasks", "flows"):
-        for path in sorted((ROOT / layer).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
-                    continue
-                first = node.args[0]
-                if node.func.attr in REMOTE_CALLS and isinstance(first, ast.Constant) and isinstance(first.value, str):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}({first.value!r})")
-                if (
-                    isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "remote"
-                    and _is_getattr(node.func.value)
-                ):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} getattr(...).remote")
-    launcher = ast.parse((ROOT / "rlhf_core" / "distributed" / "launcher.py").read_text())
-    offenders += [f"launcher.py:{n.lineno} getattr dispatch" for n in ast.walk(launcher) if _is_getattr(n)]
-    assert not offenders, offenders
-
-
-def _is_getattr(node: ast.AST) -> bool:
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+    offenders = [
+        f"{rel(path)}:{line}: imports {name}"
+        for layer, ok in allowed.items()
+        for path in source_files(layer)
+        for line, name in imports(path)
+        if name.split(".")[0] in LAYERS and name.split(".")[0] not in ok
+    ]
+    fail_on(offenders, "upper layers point down")
 
 
 def test_flows_import_nothing_from_the_jobs():
+    """flows reach rlhf_core.jobs neither directly nor through a name that tasks (or rlhf_core) re-exports from it."""
     offenders = []
-    for path in sorted((ROOT / "flows").rglob("*.py")):
-        for name in imported_modules(path):
-            if name == "rlhf_core.jobs" or name.startswith("rlhf_core.jobs."):
-                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
-    assert not offenders, offenders
+    for path in source_files("flows"):
+        tree = parse(path)
+        aliases: dict[str, str] = {}  # local name -> project module, for `stages.open_store`
+        for node in walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if _is_jobs(alias.name):
+                        offenders.append(f"{rel(path)}:{node.lineno}: imports {alias.name}")
+                    aliases[alias.asname or alias.name] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                base = from_base(path, node)
+                for alias in node.names:
+                    chain = origin(base, alias.name)
+                    if any(_is_jobs(module) or _is_jobs(f"{module}.{name}") for module, name in chain):
+                        offenders.append(f"{rel(path)}:{node.lineno}: imports {_steps(chain)}")
+                    elif chain[-1][1] is None:
+                        aliases[alias.asname or alias.name] = chain[-1][0]
+        for node in walk(tree):
+            if isinstance(node, ast.Attribute) and aliases.get(ast.unparse(node.value)) in project_modules():
+                chain = origin(aliases[ast.unparse(node.value)], node.attr)
+                if any(_is_jobs(module) for module, _ in chain):
+                    offenders.append(f"{rel(path)}:{node.lineno}: uses {_steps(chain)}")
+    fail_on(offenders, "flows do not reach the jobs")
+
+
+def _steps(chain: list[tuple[str, str | None]]) -> str:
+    """``tasks.stages.open_store = rlhf_core.jobs.common.open_store``: a name and what it re-exports."""
+    return " = ".join(module if name is None else f"{module}.{name}" for module, name in chain)
 
 
 def test_task_progress_comes_from_job_events_not_log_text():
     """The task layer reads no log text for meaning: no regular expressions, and the launcher follows the events
     file (tests/test_launch_events.py shows the behaviour)."""
-    for path in sorted((ROOT / "tasks").rglob("*.py")):
-        assert "re" not in {n.split(".")[0] for n in imported_modules(path)}, f"{path} parses text with re"
+    offenders = [
+        f"{rel(path)}:{line}: imports re (parses log text)"
+        for path in source_files("tasks")
+        for line, name in imports(path)
+        if name == "re"
+    ]
+    fail_on(offenders, "tasks read events, not log text")
     launch = (ROOT / "tasks" / "_launch.py").read_text()
     assert "read_new" in launch and "EVENTS_ENV" in launch
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Import cycles
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported project module: line}, lazy imports included. ``from pkg import X`` where ``pkg``'s
+    ``__init__`` re-exports X from a submodule points at that submodule: ``pkg`` itself only runs the import."""
+    modules = project_modules()
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        edges = graph.setdefault(module, {})
+        for node in walk(parse(path)):
+            if isinstance(node, ast.Import):
+                targets = [_known_module(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = from_base(path, node)
+                targets = [_import_target(base, alias.name) for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target is not None and target != module:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def _known_module(name: str) -> str | None:
+    """The deepest project module of a dotted name (``rlhf_core.jobs.ppo.X`` -> ``rlhf_core.jobs.ppo``)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in project_modules():
+            return ".".join(parts[:n])
+    return None
+
+
+def _import_target(base: str, name: str) -> str | None:
+    if f"{base}.{name}" in project_modules():
+        return f"{base}.{name}"
+    path = project_modules().get(base)
+    if path is not None and path.name == "__init__.py":  # a package re-exporting X: the edge is to X's module
+        bound = bindings(base).get(name)
+        if bound is not None and bound[1] in project_modules():
+            return bound[1]
+    return _known_module(base)
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph``, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, {})):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def test_strongly_connected_finds_cycles_and_only_cycles():
+    """The cycle finder itself: a 3-cycle and a 2-cycle are found, the chains leading into them are not cycles."""
+    graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {"e": 1}, "e": {"d": 1}, "f": {"a": 1, "g": 1}}
+    graph |= {"g": {"h": 1}, "h": {}}
+    assert sorted(c for c in strongly_connected(graph) if len(c) > 1) == [["a", "b", "c"], ["d", "e"]]
+
+
+def test_no_import_cycles():
+    """No import cycle among the modules of rlhf_core, tasks, flows and deployments, lazy imports included."""
+    graph = import_graph()
+    offenders = []
+    for component in strongly_connected(graph):
+        if len(component) < 2:
+            continue
+        offenders.append(f"cycle among {', '.join(component)}:")
+        for module in component:
+            for target, line in sorted(graph[module].items(), key=lambda edge: edge[1]):
+                if target in component:
+                    offenders.append(f"  {rel(project_modules()[module])}:{line}: {module} imports {target}")
+    fail_on(offenders, "import cycles")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Size budgets
+
+MAX_LINES = 800  # any module of rlhf_core, tasks and flows, stage modules included
+REPORT_LINES = 500  # library modules (all but rlhf_core/jobs) above this are reported, not failed
+
+
+def test_module_size_budgets():
+    """No module of rlhf_core, tasks or flows passes 800 lines; library modules over 500 lines are reported."""
+    offenders, reported = [], []
+    for path in source_files("rlhf_core", "tasks", "flows"):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            offenders.append(f"{rel(path)}:{MAX_LINES + 1}: {lines} lines, the budget is {MAX_LINES}")
+        elif lines > REPORT_LINES and not rel(path).startswith("rlhf_core/jobs/"):
+            reported.append(f"{rel(path)}:{REPORT_LINES + 1}: {lines} lines, a library module's aim is {REPORT_LINES}")
+    if reported:
+        warnings.warn("library modules over their aim:\n" + "\n".join(reported), stacklevel=1)
+    fail_on(offenders, "modules over the size budget")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One home for each fact
+
+RUN_LAYOUT = ROOT / "rlhf_core" / "run_layout.py"
+# The names of a run folder's entries (rlhf_core/run_layout.py names them); "checkpoints" only beside a slash, as the
+# word also appears in messages.
+RUN_PATH = re.compile(
+    r"(?<![\w.])(_leases|_launches|_prefect/results|reference_logprobs|metrics\.json|curves\.png|trainer_state\.json"
+    r"|controller_state\.json|config\.yaml|pipeline\.json|run_summary\.json)(?![\w])"
+    r"|(?<![\w.])checkpoints/|/checkpoints(?!\w)"
+)
+
+
+def string_constants(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, text) of the string constants of ``tree``, the constant parts of f-strings included; strings that
+    stand alone as statements (docstrings) are left out."""
+    alone = {id(node.value) for node in walk(tree) if isinstance(node, ast.Expr)}
+    return [
+        (node.lineno, node.value)
+        for node in walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in alone
+    ]
+
+
+def test_run_folder_paths_are_named_in_run_layout_only():
+    """No string in rlhf_core, tasks or flows names a run-folder path (checkpoints/, _leases, metrics.json, ...)
+    outside rlhf_core/run_layout.py."""
+    offenders = [
+        f"{rel(path)}:{line}: {text!r}"
+        for path in source_files("rlhf_core", "tasks", "flows")
+        if path != RUN_LAYOUT
+        for line, text in string_constants(parse(path))
+        if RUN_PATH.search(text)
+    ]
+    fail_on(offenders, "run-folder paths outside rlhf_core/run_layout.py")
+
+
+def test_run_path_pattern():
+    """The pattern above: path uses match, words and other files do not."""
+    for text in ("/checkpoints/step_", "/checkpoints", "checkpoints/", "_leases", "/metrics.json", "_prefect/results"):
+        assert RUN_PATH.search(text), text
+    for text in ("no checkpoints kept", "gradient_checkpointing", "eval_metrics.json", "my_leases", "config.yamlx"):
+        assert not RUN_PATH.search(text), text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stage modules
+
+JOBS = ROOT / "rlhf_core" / "jobs"
+TRAINING_STAGES = ("sft", "reward_model", "dpo", "kto", "ppo")
+
+
+def _is_step_loop(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.For)
+        and isinstance(node.target, ast.Name)
+        and node.target.id == "step"
+        and isinstance(node.iter, ast.Call)
+        and isinstance(node.iter.func, ast.Name)
+        and node.iter.func.id == "range"
+    )
+
+
+def test_every_training_stage_owns_its_step_loop():
+    """rlhf_core/jobs/{sft,reward_model,dpo,kto,ppo}.py each hold their own ``for step in range(...)`` loop."""
+    offenders = []
+    for kind in TRAINING_STAGES:
+        path = JOBS / f"{kind}.py"
+        if not path.exists():
+            offenders.append(f"{rel(path)}:1: missing")
+        elif not any(_is_step_loop(node) for node in walk(parse(path))):
+            offenders.append(f"{rel(path)}:1: no `for step in range(...)` loop")
+    fail_on(offenders, "training stages without their own step loop")
+
+
+def test_no_job_module_subclasses_another_job_modules_class():
+    """A class in rlhf_core/jobs/X.py has no base class defined in another rlhf_core/jobs module."""
+    offenders = []
+    for path in source_files("rlhf_core/jobs"):
+        me = module_name(path)
+        for node in walk(parse(path)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in node.bases:
+                found = _job_class(me, base.value if isinstance(base, ast.Subscript) else base)
+                if found is not None and found != me:
+                    offenders.append(
+                        f"{rel(path)}:{node.lineno}: {node.name} subclasses {ast.unparse(base)} of {found}"
+                    )
+    fail_on(offenders, "job classes built on other job modules' classes")
+
+
+def _job_class(module: str, base: ast.expr) -> str | None:
+    """The jobs module that defines the class ``base`` names, seen from ``module``; None when it is no jobs class."""
+    if isinstance(base, ast.Name):
+        chain = origin(module, base.id)
+    elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
+        bound = bindings(module).get(base.value.id)
+        if bound is None or bound[2] is not None:  # not a module alias
+            return None
+        chain = origin(bound[1], base.attr)
+    else:
+        return None
+    defining, name = chain[-1]
+    if name is None or not _is_jobs(defining) or defining not in project_modules():
+        return None
+    classes = {node.name for node in parse(project_modules()[defining]).body if isinstance(node, ast.ClassDef)}
+    return defining if name in classes else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Remote calls
+
+REMOTE_CALLS = {"call", "call_async", "call_each", "call_each_async", "collective_rpc"}
+# Where Ray's `.remote(...)` may be called: the worker group calls the role shells it hosts, the engine group the
+# engines. Everything else calls roles through `group.call(Role.method, ...)` and engines through the engine group.
+REMOTE_HOSTS = {
+    "rlhf_core/distributed/launcher.py": "the role shells",
+    "rlhf_core/distributed/rollout/group.py": "the engine handles",
+}
+
+
+def test_no_remote_call_by_method_name_string():
+    """Role methods are called through the role's own method objects (a grep finds the callers, a wrong signature
+    fails at once), never by a method name in a string or a getattr."""
+    offenders = []
+    for path in source_files("rlhf_core", "tasks", "flows"):
+        for node in walk(parse(path)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            first = node.args[0] if node.args else None
+            if node.func.attr in REMOTE_CALLS and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                offenders.append(f"{rel(path)}:{node.lineno}: {node.func.attr}({first.value!r})")
+            if node.func.attr == "remote" and _is_getattr(node.func.value):
+                offenders.append(f"{rel(path)}:{node.lineno}: getattr(...).remote")
+    for host in REMOTE_HOSTS:
+        if (ROOT / host).exists():
+            offenders += [f"{host}:{n.lineno}: getattr dispatch" for n in walk(parse(ROOT / host)) if _is_getattr(n)]
+    fail_on(offenders, "remote calls by name")
+
+
+def _is_getattr(node: ast.AST) -> bool:
+    """A ``getattr(obj, name)`` that looks a method up by name; reading a dunder (``__name__``) is none."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"):
+        return False
+    name = node.args[1] if len(node.args) > 1 else None
+    return not (isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.startswith("__"))
+
+
+def test_remote_is_called_only_by_the_worker_group_and_the_engine_group():
+    """Ray's ``.remote(...)`` is called only in launcher.py (role shells) and rollout/group.py (engine handles)."""
+    offenders = [
+        f"{rel(path)}:{node.lineno}: {ast.unparse(node.func)}(...)"
+        for path in source_files(*LAYERS)
+        if rel(path) not in REMOTE_HOSTS
+        for node in walk(parse(path))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "remote"
+        and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "ray")  # ray.remote(cls): a class
+    ]
+    fail_on(offenders, "`.remote(` outside the worker group and the engine group")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Formatting
+
+FORMAT_OFF = re.compile(r"#\s*fmt:\s*(skip|off)\b")
+
+
+def test_no_formatter_escapes():
+    """No ``fmt: skip`` or ``fmt: off`` comment: ruff formats every line of the project."""
+    offenders = []
+    for path in source_files(*LAYERS, "tests", "bench", "scripts"):
+        for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if token.type == tokenize.COMMENT and FORMAT_OFF.search(token.string):
+                offenders.append(f"{rel(path)}:{token.start[0]}: {token.string.strip()}")
+    fail_on(offenders, "formatter escapes")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collectives
+
 # torch.distributed's collectives, and the methods a ProcessGroup object exposes for them.
 COLLECTIVES = {
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_gather_object", "broadcast_object_list", "scatter", "gather", "reduce", "barrier",
-}  # fmt: skip
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_gather_object",
+    "broadcast_object_list",
+    "scatter",
+    "gather",
+    "reduce",
+    "barrier",
+}
 GROUP_METHODS = {"allreduce", "allgather", "broadcast", "all_reduce", "reduce_scatter", "alltoall"}
 DEVICE_MODULE = ROOT / "rlhf_core" / "distributed" / "device.py"
 
@@ -108,10 +547,10 @@ def _collective_calls(path: Path) -> list[tuple[int, str]]:
     """(line, what) of each torch.distributed collective issued in ``path``: ``dist.X(...)`` /
     ``torch.distributed.X(...)``, ``<group>.broadcast/allreduce(...)`` on any object, and collectives imported by
     name from torch.distributed."""
-    tree = ast.parse(path.read_text())
+    tree = parse(path)
     aliases = {"torch.distributed"}
     found = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Import):
             aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
         elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
@@ -124,7 +563,7 @@ def _collective_calls(path: Path) -> list[tuple[int, str]]:
             and any(a.name == "distributed" for a in node.names)
         ):
             aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         attr, receiver = node.func.attr, ast.unparse(node.func.value)
@@ -139,12 +578,12 @@ def test_every_collective_goes_through_the_device_aware_helper():
     collective (``dist.all_reduce``, ``group.broadcast``, ...) is an offender; DeepSpeed's own collectives are
     DeepSpeed's business."""
     offenders = [
-        f"{path.relative_to(ROOT)}:{line} {what}"
-        for path in sorted((ROOT / "rlhf_core").rglob("*.py"))
+        f"{rel(path)}:{line}: {what}"
+        for path in source_files("rlhf_core")
         if path != DEVICE_MODULE
         for line, what in _collective_calls(path)
     ]
-    assert not offenders, offenders
+    fail_on(offenders, "collectives outside rlhf_core/distributed/device.py")
     # and the helper really is the one issuing them
     issued = {what.split("(")[0].rsplit(".", 1)[-1] for _, what in _collective_calls(DEVICE_MODULE)}
     assert {"all_reduce", "broadcast", "all_gather_object", "broadcast_object_list", "barrier"} <= issued, issued

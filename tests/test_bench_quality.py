@@ -61,11 +61,14 @@ def test_a_preset_takes_over_the_stages_an_earlier_run_made_alike(tmp_path):
 
 
 METRICS = {
-    "dpo": {"eval_sft": {"gold_reward": 0.40}, "dpo": {"loss_start": 0.69}, "eval_dpo": {"gold_reward": 0.55,
-                                                                                         "kl_to_ref": 1.25}},
+    "dpo": {
+        "eval_sft": {"gold_reward": 0.40},
+        "dpo": {"loss_start": 0.69},
+        "eval_dpo": {"gold_reward": 0.55, "kl_to_ref": 1.25},
+    },
     "kto": {"eval_sft": {"gold_reward": 0.40}, "eval_kto": {"gold_reward": 0.43}},  # no KL measured, rise 0.03
     "ppo": {"ppo": {"gold_reward_before": 0.30, "gold_reward_after": 0.20, "kl_to_ref_after": 0.5}},
-}  # fmt: skip
+}
 
 
 def test_rows_and_summary_from_the_metrics():

@@ -44,10 +44,14 @@ def sft_history(scale):
 @pytest.fixture
 def two_runs(tmp_path):
     """a: sft and ppo, lr 1e-4; b: sft only, lr 5e-4 (given as a file:// URI)."""
-    a = write_run(tmp_path / "a", lr=1e-4, stages={
-        "sft": (sft_history(2.0), {"loss_end": 0.512345678, "steps": 4}),
-        "ppo": ([{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.4}], {"reward_mean": 0.25}),
-    })  # fmt: skip
+    a = write_run(
+        tmp_path / "a",
+        lr=1e-4,
+        stages={
+            "sft": (sft_history(2.0), {"loss_end": 0.512345678, "steps": 4}),
+            "ppo": ([{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.4}], {"reward_mean": 0.25}),
+        },
+    )
     b = write_run(tmp_path / "b", lr=5e-4, stages={"sft": (sft_history(1.0), {"loss_end": 0.25, "steps": 4})})
     return a, b
 
@@ -83,7 +87,7 @@ def test_report_has_the_differing_keys_overlay_images_and_final_metrics(two_runs
         "final metric": ["a", "b"],
         "`loss_end`": ["0.512346", "0.25"],
         "`steps`": ["4", "4"],
-    }  # fmt: skip
+    }
     ppo = section(text, "ppo")
     assert ppo[0] == "Only in a (not in b)."
     assert "![ppo](ppo.png)" in ppo
@@ -143,11 +147,20 @@ def test_equal_configs_say_so(tmp_path):
     assert section(report.markdown, "Config differences") == ["No config key differs between a, b."]
 
 
-@pytest.mark.parametrize("make, expected", [
-    (lambda tmp: "no-such-run", r"^error: 'no-such-run' is not a run: neither a run .*runs/no-such-run nor a folder "),
-    (lambda tmp: str((tmp / "empty" / "sft").mkdir(parents=True) or tmp / "empty"),
-     r"^error: '.*/empty' is not a run: no stage folder with a metrics\.json in .*/empty$"),
-], ids=["unknown-name", "no-metrics"])  # fmt: skip
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (
+            lambda tmp: "no-such-run",
+            r"^error: 'no-such-run' is not a run: neither a run .*runs/no-such-run nor a folder ",
+        ),
+        (
+            lambda tmp: str((tmp / "empty" / "sft").mkdir(parents=True) or tmp / "empty"),
+            r"^error: '.*/empty' is not a run: no stage folder with a metrics\.json in .*/empty$",
+        ),
+    ],
+    ids=["unknown-name", "no-metrics"],
+)
 def test_a_bad_run_argument_is_one_line_naming_it(two_runs, tmp_path, capsys, make, expected):
     bad = make(tmp_path)
     with pytest.raises(SystemExit) as exit_info:

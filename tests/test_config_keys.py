@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -65,9 +64,14 @@ from rlhf_core.data.sampler import global_batch, total_steps
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.node_files import local_model_path
+from rlhf_core.distributed.rollout import group as rollout_group
+from rlhf_core.distributed.rollout.group import EngineGroup, EngineHandles
+from rlhf_core.distributed.rollout.hf_engine import HFGenerateEngine
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
 from rlhf_core.jobs import common, critic_init, dpo, kto, reward_model, sft
+from rlhf_core.jobs.preference import score_on_ranks
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, build_scalar_model, load_tokenizer
+from rlhf_core.run_layout import open_store
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT, TINY
 from tests.remote_code import add_remote_code
@@ -134,8 +138,12 @@ def fingerprint(model: torch.nn.Module) -> dict:
 
 
 _EXAMPLES: dict[tuple, list] = {}
-MAKE_EXAMPLES = {"sft": sft_examples, "reward_model": preference_examples, "dpo": preference_examples,
-                 "kto": kto_examples}  # fmt: skip
+MAKE_EXAMPLES = {
+    "sft": sft_examples,
+    "reward_model": preference_examples,
+    "dpo": preference_examples,
+    "kto": kto_examples,
+}
 
 
 def _examples(cfg: PipelineConfig, stage: str, split: str) -> list:
@@ -158,26 +166,27 @@ def eval_examples(cfg: PipelineConfig, stage: str) -> Any:
     return outcome(lambda: _examples(cfg, stage, "eval"))
 
 
-def _stage_impl(cfg: PipelineConfig, stage: str):
+def _stage_trainer(cfg: PipelineConfig, stage: str, ctx: Any):
+    """The stage's rank trainer as its job makes it (no examples: its model, collate and loss are probed)."""
     section = cfg.stage(stage)
     if cfg.kind(stage) == "sft":
-        return sft.SFTImpl(section.strategy.packing)
+        return sft.SFTTrainer(ctx, [], [])
     if cfg.kind(stage) in ("dpo", "kto"):  # with its online reference (ref_logprobs: online), so that loss runs alone
-        impl = dpo.DPOImpl if cfg.kind(stage) == "dpo" else kto.KTOImpl
-        return impl(section, (section.reference or section.model).name_or_path)
-    return reward_model.RewardModelImpl(section.margin, section.strategy.packing)
+        trainer = dpo.DPOTrainer if cfg.kind(stage) == "dpo" else kto.KTOTrainer
+        return trainer(ctx, [], [], section, (section.reference or section.model).name_or_path)
+    return reward_model.RewardModelTrainer(ctx, [], [], section.margin)
 
 
 def rank_model(cfg: PipelineConfig, stage: str) -> Any:
-    """The model a rank builds: setup_stage -> StageContext -> tokenizer, attention, dtype, impl.build_model
-    (SupervisedTrainer.fit, step 1)."""
+    """The model a rank builds: setup_stage -> StageContext -> tokenizer, attention, dtype, trainer.build_model
+    (the stage trainer's fit, step 1)."""
 
     def build():
         ctx = common.setup_stage(cfg, stage).context()
         strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train)
         tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
-        return fingerprint(_stage_impl(cfg, stage).build_model(ctx, tokenizer, strategy.dtype, attn))
+        return fingerprint(_stage_trainer(cfg, stage, ctx).build_model(tokenizer, strategy.dtype, attn))
 
     return outcome(build)
 
@@ -208,11 +217,11 @@ def first_batch(cfg: PipelineConfig, stage: str) -> list[int]:
 
 
 def loss_forwards(cfg: PipelineConfig, stage: str) -> list[tuple[int, bool]]:
-    """The model forwards of impl.loss on four training examples of mixed lengths with a fixed tiny model: (rows,
+    """The model forwards of trainer.loss on four training examples of mixed lengths with a fixed tiny model: (rows,
     whether the rows came packed: position_ids and no attention mask) of each."""
-    impl = _stage_impl(cfg, stage)
+    impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
     tokenizer = load_tokenizer("builtin:tiny")
-    model = impl.build_model(common.setup_stage(cfg, stage).context(), tokenizer, torch.float32, "sdpa")
+    model = impl.build_model(tokenizer, torch.float32, "sdpa")
     examples = sorted(_examples(cfg, stage, "train")[:16], key=lambda e: len(e.get("input_ids") or e["chosen_ids"]))
     calls: list[tuple[int, bool]] = []
     model.register_forward_pre_hook(forward_record(calls), with_kwargs=True)
@@ -238,10 +247,10 @@ def worker_device(cfg: PipelineConfig, stage: str) -> str:
 
 
 def pairwise_loss(cfg: PipelineConfig, stage: str) -> float:
-    """RewardModelImpl(margin).loss on four fixed preference pairs with a fixed tiny reward model."""
-    impl = _stage_impl(cfg, stage)
+    """RewardModelTrainer(margin).loss on four fixed preference pairs with a fixed tiny reward model."""
+    impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
     tokenizer = load_tokenizer("builtin:tiny")
-    model = impl.build_model(common.setup_stage(cfg, stage).context(), tokenizer, torch.float32, "sdpa")
+    model = impl.build_model(tokenizer, torch.float32, "sdpa")
     batch = impl.collate(_examples(cfg, stage, "train")[:4], tokenizer.pad_token_id)
     return round(impl.loss(model, batch)[0].item(), 6)
 
@@ -256,8 +265,8 @@ def job_module(cfg: PipelineConfig, stage: str):
 
 
 def store_location(cfg: PipelineConfig, stage: str) -> tuple[str, dict]:
-    """Where and how the run's object store writes (jobs.common.open_store: root URI, fsspec storage options)."""
-    store = common.open_store(cfg)
+    """Where and how the run's object store writes (run_layout.open_store: root URI, fsspec storage options)."""
+    store = open_store(cfg)
     return store.uri(stage), store.fs.storage_options
 
 
@@ -281,7 +290,7 @@ def critic_copy(cfg: PipelineConfig, stage: str) -> Any:
 
 
 class WorkerReport:
-    """Hosted by a training group like SupervisedTrainer: what each rank was given (world, threads, CPUs)."""
+    """Hosted by a training group like the stage trainers (SFTTrainer, ...): what each rank was given."""
 
     def fit(self) -> dict:
         import ray
@@ -347,10 +356,11 @@ def engine_state(model: torch.nn.Module, engine: Any) -> dict:
     """What an engine's optimizer and model were set up with: the first param group, activation recomputation."""
     group = engine.optimizer.param_groups[0]
     return {
-        "lr": group["initial_lr"], "betas": [round(b, 9) for b in group["betas"]],
+        "lr": group["initial_lr"],
+        "betas": [round(b, 9) for b in group["betas"]],
         "weight_decay": group["weight_decay"],
         "gradient_checkpointing": getattr(model, "hf_model", model).is_gradient_checkpointing,
-    }  # fmt: skip
+    }
 
 
 _ENGINES: dict[str, dict] = {}
@@ -367,48 +377,33 @@ def engine(cfg: PipelineConfig, stage: str) -> dict:
     return _ENGINES[repr(section)]
 
 
-class RecordingRewardModelImpl(reward_model.RewardModelImpl):
-    """The reward-model stage as it is, noting the size of every batch it collates into its metrics (its eval scores
-    do not depend on the batching, so the batch sizes are what shows eval_batch_size)."""
-
-    def __init__(self, margin: float, packing: bool = True):
-        super().__init__(margin, packing)
-        self.batch_sizes: list[int] = []
-
-    def collate(self, examples, pad_id):
-        self.batch_sizes.append(len(examples))
-        return super().collate(examples, pad_id)
-
-    def finalize(self, hf_model, metrics):
-        super().finalize(hf_model, metrics)
-        metrics["batch_sizes"] = list(self.batch_sizes)
-
-
 class _RecordsBatches:
-    """The batch sizes noted by a DPO/KTO impl, as RecordingRewardModelImpl notes them (their eval metrics are means
-    over the examples, so the batch sizes are what shows eval_batch_size)."""
+    """A stage trainer as it is, noting the size of every batch it collates into its final metrics (the eval metrics
+    of reward_model, dpo and kto do not depend on the batching, so the batch sizes are what shows eval_batch_size)."""
 
-    batch_sizes: list[int]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.batch_sizes: list[int] = []
 
     def collate(self, examples, pad_id):
         self.batch_sizes.append(len(examples))
         return super().collate(examples, pad_id)  # type: ignore[misc]
 
-    def finalize(self, hf_model, metrics):
-        super().finalize(hf_model, metrics)  # type: ignore[misc]
-        metrics["batch_sizes"] = list(self.batch_sizes)
+    def evaluate(self, model, batches):  # the last collate of the stage: its final metrics come next
+        metrics = super().evaluate(model, batches)  # type: ignore[misc]
+        return {**metrics, "batch_sizes": list(self.batch_sizes)}
 
 
-class RecordingDPOImpl(_RecordsBatches, dpo.DPOImpl):
-    def __init__(self, p, reference=None):
-        super().__init__(p, reference)
-        self.batch_sizes = []
+class RecordingRewardModelTrainer(_RecordsBatches, reward_model.RewardModelTrainer):
+    pass
 
 
-class RecordingKTOImpl(_RecordsBatches, kto.KTOImpl):
-    def __init__(self, p, reference=None):
-        super().__init__(p, reference)
-        self.batch_sizes = []
+class RecordingDPOTrainer(_RecordsBatches, dpo.DPOTrainer):
+    pass
+
+
+class RecordingKTOTrainer(_RecordsBatches, kto.KTOTrainer):
+    pass
 
 
 _JOBS: dict[str, dict] = {}
@@ -424,20 +419,19 @@ def job_run(cfg: PipelineConfig, stage: str) -> dict:
     run_dir = Path(cfg.run_uri)
     events_file = run_dir / "events.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
-    saved_env, saved_impl = os.environ.get(events.EVENTS_ENV), reward_model.RewardModelImpl
-    saved_kinds = dpo.DPO, kto.KTO
+    saved_env = os.environ.get(events.EVENTS_ENV)
+    saved = reward_model.RewardModelTrainer, dpo.DPOTrainer, kto.KTOTrainer
     os.environ[events.EVENTS_ENV] = str(events_file)
-    reward_model.RewardModelImpl = RecordingRewardModelImpl  # type: ignore[misc]
-    dpo.DPO = dataclasses.replace(dpo.DPO, impl=RecordingDPOImpl)
-    kto.KTO = dataclasses.replace(kto.KTO, impl=RecordingKTOImpl)
+    reward_model.RewardModelTrainer = RecordingRewardModelTrainer  # type: ignore[misc]
+    dpo.DPOTrainer = RecordingDPOTrainer  # type: ignore[misc]
+    kto.KTOTrainer = RecordingKTOTrainer  # type: ignore[misc]
     in_process = PPO_KINDS + ("dpo", "kto")
     transport = in_process_roles() if cfg.kind(stage) in in_process else contextlib.nullcontext()
     try:
         with transport:
             ref = job_module(cfg, stage).run(cfg, stage)
     finally:
-        reward_model.RewardModelImpl = saved_impl  # type: ignore[misc]
-        dpo.DPO, kto.KTO = saved_kinds
+        reward_model.RewardModelTrainer, dpo.DPOTrainer, kto.KTOTrainer = saved  # type: ignore[misc]
         if saved_env is None:
             os.environ.pop(events.EVENTS_ENV, None)
         else:
@@ -493,8 +487,12 @@ JOB_BASE = (
     "{stage}.train.eval_batch_size=32",
     "{stage}.train.micro_train_batch_size=16",
 )
-JOB_CHANGE = ("{stage}.train.save_steps=2", "{stage}.train.keep_last=1", "{stage}.train.log_steps=2",
-              "{stage}.train.eval_batch_size=4")  # fmt: skip
+JOB_CHANGE = (
+    "{stage}.train.save_steps=2",
+    "{stage}.train.keep_last=1",
+    "{stage}.train.log_steps=2",
+    "{stage}.train.eval_batch_size=4",
+)
 
 TRAINING_SECTION: dict[str, Probe] = {
     "model.name_or_path": probe(
@@ -676,7 +674,7 @@ KIND_CHANGES = {  # another kind whose section the stage's keys also make valid
         "score.actor.name_or_path=builtin:tiny",
         "score.critic.name_or_path=builtin:tiny",
         "score.train.eval_prompts=0",
-    ),  # fmt: skip
+    ),
 }
 # The tiny preset's ppo stage sets actor_optim, which a critic_warmup stage refuses: its kind changes on a preset
 # whose ppo stage sets only keys both kinds take.
@@ -692,27 +690,37 @@ PPO_KINDS = ("critic_warmup", "ppo")
 
 def _ppo_setup(cfg: PipelineConfig, stage: str):
     """The controller as ppo.run builds it (the same models fetched)."""
+    from rlhf_core.distributed.placement import RoleSet, role_models
     from rlhf_core.jobs import ppo
 
     p, train_actor = cfg.stage(stage), cfg.kind(stage) == "ppo"
-    models = {"actor": p.actor}
-    models.update({role: m for role, m in (("critic", p.critic), ("reward", p.reward)) if m is not None})
-    if ppo.needs_reference(p, train_actor):
-        models["reference"] = p.reference or p.actor
-    return ppo.PPOController(stage, p, common.setup_stage(cfg, stage, models), train_actor)
+    roles = RoleSet.of(p, train_actor)
+    setup = common.setup_stage(cfg, stage, role_models(p, roles))
+    return ppo.PPOController(stage, p, setup, train_actor, roles)
 
 
 def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
-    """jobs.ppo.PPOController(...) as run() builds it before any Ray actor: prompts, plan, reward stats, gold, KL."""
+    """jobs.ppo.PPOController(...) as run() builds it before any Ray actor: prompts, plan, reward stats, gold, KL,
+    and the engines' kwargs as start() passes them."""
+    from rlhf_core.distributed.placement import engine_kwargs
 
     def build():
         c = _ppo_setup(cfg, stage)
+        p = c.p
+        engines = engine_kwargs(p.rollout, p.actor, p.actor_strategy.precision, c.device, p.train.seed, p.data.max_len)
         return {
-            "prompts": [e["prompt_ids"] for e in c.prompts], "eval_prompts": [e["prompt_ids"] for e in c.eval_prompts],
-            "steps": c.steps, "actor_ppo_steps": c.actor_ppo_steps, "stats": c.stats,
-            "gold": getattr(c.gold, "__name__", None), "kl_coef": c.kl_ctl.value, "device": c.device,
-            "vocab": len(c.tokenizer), "engine_kwargs": c._engine_kwargs(), "paths": c.paths,
-        }  # fmt: skip
+            "prompts": [e["prompt_ids"] for e in c.prompts],
+            "eval_prompts": c.held_out.prompt_ids,
+            "steps": c.steps,
+            "actor_ppo_steps": c.actor_ppo_steps,
+            "stats": c.rewards.stats,
+            "gold": getattr(c.held_out.gold, "__name__", None),
+            "kl_coef": c.kl_ctl.value,
+            "device": c.device,
+            "vocab": len(c.tokenizer),
+            "engine_kwargs": engines,
+            "paths": c.paths,
+        }
 
     return outcome(build)
 
@@ -728,22 +736,30 @@ def fixed_experience(pad_id: int, eos_id: int):
     shape = seq.action_mask.shape
     gen = torch.Generator().manual_seed(0)
     return Experience.from_sequences(
-        seq, old_logprobs=-torch.rand(shape, generator=gen), ref_logprobs=-torch.rand(shape, generator=gen),
-        values=torch.rand(shape, generator=gen), scores=torch.tensor([2.0, 3.0]), truncated=truncated,
-    )  # fmt: skip
+        seq,
+        old_logprobs=-torch.rand(shape, generator=gen),
+        ref_logprobs=-torch.rand(shape, generator=gen),
+        values=torch.rand(shape, generator=gen),
+        scores=torch.tensor([2.0, 3.0]),
+        truncated=truncated,
+    )
 
 
 def advantage_phase(cfg: PipelineConfig, stage: str) -> Any:
     """PPOController.advantages on a fixed Experience (scores -> EOS penalty, clip -> KL penalty -> GAE), then one
     KL-controller update."""
-    from rlhf_core.jobs.ppo import Scored
+    from rlhf_core.rewards import Scored
 
     def run():
         c = _ppo_setup(cfg, stage)
         exp, logs = c.advantages(Scored(fixed_experience(c.pad_id, c.eos_id), {}))
         c.kl_ctl.update(0.5, 64)
-        return {"advantages": exp.advantages.tolist(), "returns": exp.returns.tolist(),
-                "reward": round(logs["reward"], 6), "kl_after_update": c.kl_ctl.value}  # fmt: skip
+        return {
+            "advantages": exp.advantages.tolist(),
+            "returns": exp.returns.tolist(),
+            "reward": round(logs["reward"], 6),
+            "kl_after_update": c.kl_ctl.value,
+        }
 
     return outcome(run)
 
@@ -820,8 +836,6 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
     numbers (FixedRole), then .advantages: each source's scores, their weighted sum, advantages, returns, the action
     tokens left per sample, the logs; with a loopback server at remote_rm_url, the requests it got (rows of each, and
     whether a pause of >= 0.5 s came between two)."""
-    from rlhf_core.jobs.ppo import needs_reference
-
     server = REWARD_SERVERS.get(cfg.stage(stage).remote_rm_url or "")
     seen = (len(server.times), len(server.state.batches)) if server is not None else None
 
@@ -829,9 +843,9 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
         c = _ppo_setup(cfg, stage)
         assert c.p.rollout.n_samples_per_prompt == 2, "FIXED_RESPONSES are two samples of two prompts"
         c.actor = FixedRole("actor")
-        c.critic = FixedRole("critic") if c.p.critic is not None else None
-        c.reward = FixedRole("reward") if c.p.reward is not None else None
-        c.reference = FixedRole("reference") if needs_reference(c.p, c.train_actor) else None
+        c.critic = FixedRole("critic") if c.roles.critic else None
+        c.reward = FixedRole("reward") if c.roles.reward_model else None
+        c.reference = FixedRole("reference") if c.roles.reference else None
         responses = [c.tokenizer.encode(t, add_special_tokens=False) + [c.eos_id] for t in FIXED_RESPONSES]
         prompts = c.prompts[:2]
         scored = c.experience([e["prompt_ids"] for e in prompts], responses, [e["prompt"] for e in prompts])
@@ -839,16 +853,22 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
         return {
             "prompts": [e["prompt"] for e in prompts for _ in range(2)],
             "texts": [c.tokenizer.decode(r, skip_special_tokens=True) for r in responses],
-            "parts": {k: _r(v) for k, v in scored.parts.items()}, "scores": _r(scored.exp.scores),
-            "advantages": _rounded(exp.advantages), "returns": _rounded(exp.returns),
-            "action_tokens": exp.action_mask.sum(1).tolist(), "logs": {k: round(v, 5) for k, v in logs.items()},
-        }  # fmt: skip
+            "parts": {k: _r(v) for k, v in scored.parts.items()},
+            "scores": _r(scored.exp.scores),
+            "advantages": _rounded(exp.advantages),
+            "returns": _rounded(exp.returns),
+            "action_tokens": exp.action_mask.sum(1).tolist(),
+            "logs": {k: round(v, 5) for k, v in logs.items()},
+        }
 
     out: dict[str, Any] = {"result": outcome(run)}
     if server is not None:
         times = server.times[seen[0] :]
-        out |= {"requests": len(times), "rows": server.state.batches[seen[1] :],
-                "backed_off": any(b - a >= 0.5 for a, b in zip(times, times[1:]))}  # fmt: skip
+        out |= {
+            "requests": len(times),
+            "rows": server.state.batches[seen[1] :],
+            "backed_off": any(b - a >= 0.5 for a, b in zip(times, times[1:])),
+        }
     return out
 
 
@@ -874,17 +894,21 @@ def _gold(observed: dict) -> list[float]:
 
 
 def ppo_plan(cfg: PipelineConfig, stage: str) -> Any:
-    """jobs.ppo.optimizer_steps / resource_demand / check_fits for the stage (what start() asks of Ray)."""
+    """jobs.ppo.optimizer_steps and placement's resource_demand / check_fits for the stage (what start() asks of
+    Ray)."""
+    from rlhf_core.distributed import placement
     from rlhf_core.jobs import ppo
 
     p = cfg.stage(stage)
+    roles = placement.RoleSet.of(p)
     return {
         "optimizer_steps": ppo.optimizer_steps(p, 10),
-        "cpu": ppo.resource_demand(p, "cpu"), "cuda": ppo.resource_demand(p, "cuda"),
-        "fits_cpu": outcome(lambda: ppo.check_fits(stage, p, "cpu", {"CPU": 64})),
-        "fits_cuda": outcome(lambda: ppo.check_fits(stage, p, "cuda", {"CPU": 64, "GPU": 64})),
-        "weight_sync": {d: outcome(lambda d=d: ppo.weight_sync_backend(stage, p, d)) for d in ("cpu", "cuda")},
-    }  # fmt: skip
+        "cpu": placement.resource_demand(p, roles, "cpu"),
+        "cuda": placement.resource_demand(p, roles, "cuda"),
+        "fits_cpu": outcome(lambda: placement.check_fits(stage, p, roles, "cpu", {"CPU": 64})),
+        "fits_cuda": outcome(lambda: placement.check_fits(stage, p, roles, "cuda", {"CPU": 64, "GPU": 64})),
+        "weight_sync": {d: outcome(lambda d=d: placement.weight_sync_backend(stage, p, d)) for d in ("cpu", "cuda")},
+    }
 
 
 def role_ds_config(role: str):
@@ -947,51 +971,53 @@ class LocalGroup:
         self.obj = None
 
 
-class LocalEngine:
-    """A rollout engine in this process behind Ray's handle syntax (``engine.method.remote(...)`` -> ObjectRef, the
-    ObjectRef arguments resolved as Ray does), the way EngineGroup and sync_weights call an engine actor."""
+class LocalEngines(EngineHandles):
+    """Rollout engines in this process behind ``EngineHandles``: each call runs at once and its result goes through
+    Ray's object store (ObjectRef arguments resolved as Ray does), the way EngineGroup and sync_weights call an
+    engine actor."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
-
-    def __getattr__(self, name: str) -> Any:
+    def _submit(self, actor: Any, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         import ray
 
-        method = getattr(self.engine, name)
+        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
+        return ray.put(method(actor, *args, **kwargs))
 
-        def remote(*args, **kwargs):
-            args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
-            return ray.put(method(*args, **kwargs))
-
-        return SimpleNamespace(remote=remote)
+    def kill(self) -> None:  # nothing to kill: the engines are objects of this process
+        self.actors = []
 
 
-def local_engines(count: int, model_path: str, *, backend: str = "vllm", tensor_parallel_size: int = 1,
-                  num_cpus_per_engine: float = 1, env_vars=None, placement=None, share: float = 1.0,
-                  resources=None, **kwargs) -> list[LocalEngine]:  # fmt: skip
-    """rollout_engine.create_engines for the HF backend, each engine in this process."""
-    from rlhf_core.distributed.rollout_engine import HFGenerateEngine
-
-    assert backend == "hf" and tensor_parallel_size == 1, "in-process engines: the HF backend only"
-    return [LocalEngine(HFGenerateEngine(model_path, **kwargs)) for _ in range(count)]
+class LocalEngineGroup(EngineGroup):
+    @classmethod
+    def create(
+        cls,
+        count: int,
+        model_path: str,
+        *,
+        eos_token_id: int,
+        backend: str = "vllm",
+        tensor_parallel_size: int = 1,
+        num_cpus_per_engine: float = 1,
+        env_vars=None,
+        placement=None,
+        share: float = 1.0,
+        resources=None,
+        **kwargs,
+    ) -> EngineGroup:
+        """EngineGroup.create for the HF backend, each engine in this process."""
+        assert backend == "hf" and tensor_parallel_size == 1, "in-process engines: the HF backend only"
+        engines = [HFGenerateEngine(model_path, **kwargs) for _ in range(count)]
+        return cls(LocalEngines(HFGenerateEngine, engines), eos_token_id)
 
 
 @contextlib.contextmanager
 def in_process_roles():
     """Within: the controller's worker groups and rollout engines live in this process (one rank each, the one-rank
     DeepSpeed world); results travel through Ray's object store only where the controller calls Ray itself."""
-    from rlhf_core.distributed import rollout_engine
-
-    class LocalEngineGroup(rollout_engine.EngineGroup):
-        def shutdown(self) -> None:  # nothing to kill: the engines are objects of this process
-            self.engines = []
-
     one_rank_world()
     swaps = [
         (launcher, "RayWorkerGroup", LocalGroup),
         (launcher, "wait", list),
-        (rollout_engine, "create_engines", local_engines),
-        (rollout_engine, "EngineGroup", LocalEngineGroup),
+        (rollout_group, "EngineGroup", LocalEngineGroup),
     ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     for module, name, value in swaps:
@@ -1026,21 +1052,22 @@ def _role_report(c) -> dict:
     gen = torch.Generator().manual_seed(0)
     prompts = [e["prompt_ids"] for e in c.prompts[:8]]
     texts = [e["prompt"] for e in c.prompts[:8]]
-    responses = [torch.randint(5, tokenizer_len, (2 + i % 5,), generator=gen).tolist() + [c.eos_id] * (i % 2)
-                 for i in range(16)]  # fmt: skip
+    responses = [
+        torch.randint(5, tokenizer_len, (2 + i % 5,), generator=gen).tolist() + [c.eos_id] * (i % 2) for i in range(16)
+    ]
     roles = {"actor": c.actor.obj.engine.module, "critic": c.critic.obj.engine.module, "reward": c.reward.obj.model}
     if c.reference is not None:
         roles["reference"] = c.reference.obj.model
     out: dict[str, Any] = {
-        "actor": _trained_role(c.actor.obj), "critic": _trained_role(c.critic.obj),
+        "actor": _trained_role(c.actor.obj),
+        "critic": _trained_role(c.critic.obj),
         "reward": fingerprint(c.reward.obj.model),
         "reference": fingerprint(c.reference.obj.model) if c.reference is not None else None,
-        "engine": fingerprint(c.engines.engines[0].engine.model),
+        "engine": fingerprint(c.engines.handles.actors[0].model),
         "groups": {"actor": c.actor.cfg, "critic": c.critic.cfg},
-        "devices": {"actor": resolve_device(c.actor.cfg.device),
-                    "critic": resolve_device(c.critic.cfg.device)},
+        "devices": {"actor": resolve_device(c.actor.cfg.device), "critic": resolve_device(c.critic.cfg.device)},
         "micro_batches": {role: [] for role in roles},
-    }  # fmt: skip
+    }
 
     calls = out["micro_batches"]
     hooks = [m.register_forward_pre_hook(forward_record(calls[r]), with_kwargs=True) for r, m in roles.items()]
@@ -1095,7 +1122,7 @@ def ppo_roles(cfg: PipelineConfig, stage: str) -> Any:
 def actor_sync_plan(cfg: PipelineConfig, stage: str) -> Any:
     """PPOController.start() in-process, then the buckets the actor's weight push sends (and, under ZeRO-3, gathers):
     the number of tensors in each bucket of its parameters' plan."""
-    from rlhf_core.distributed.weight_sync import bucket_plan
+    from rlhf_core.distributed.weight_sync.buckets import bucket_plan
 
     def run():
         with in_process_roles():
@@ -1163,9 +1190,10 @@ def role_workers(role: str):
 
 def recomputation(role: str):
     return report_part(
-        "layer_forwards_in_train", role,
+        "layer_forwards_in_train",
+        role,
         doc=f"Forwards of the {role}'s first decoder layer in PPOController.train() (backward recomputes them).",
-    )  # fmt: skip
+    )
 
 
 micro_batches = report_part(
@@ -1201,24 +1229,40 @@ def packing_turned_off(roles: tuple[str, ...]) -> Callable[[Any, Any], bool]:
     return expect
 
 
-PPO_BASE = ("{stage}.actor.name_or_path=builtin:tiny", "{stage}.critic.name_or_path={rm_seed0}",
-            "{stage}.reward.name_or_path={rm_seed0}", "{stage}.train.eval_prompts=8", "{stage}.data.max_samples=32",
-            "{stage}.train.max_steps=null")  # 32 prompts / 16 per step = 2 PPO steps  # fmt: skip
+PPO_BASE = (
+    "{stage}.actor.name_or_path=builtin:tiny",
+    "{stage}.critic.name_or_path={rm_seed0}",
+    "{stage}.reward.name_or_path={rm_seed0}",
+    "{stage}.train.eval_prompts=8",
+    "{stage}.data.max_samples=32",
+    "{stage}.train.max_steps=null",
+)  # 32 prompts / 16 per step = 2 PPO steps
 PROMPT_ROWS = f"{DATA / 'prompts.jsonl'}"
 PROMPT_SPLITS = f"{DATA / 'prompts_splits'}"
 # The real job runs (roles in-process): 24 prompts / 8 per step = 3 PPO steps, checkpoints after steps 1 and 2.
-PPO_RUN_BASE = ("{stage}.data.max_samples=24", "{stage}.train.rollout_batch_size=8", "{stage}.train.eval_prompts=0",
-                "{stage}.rollout.max_new_tokens=8", "{stage}.train.save_steps=1", "{stage}.train.keep_last=3",
-                "{stage}.train.log_steps=1")  # fmt: skip
+PPO_RUN_BASE = (
+    "{stage}.data.max_samples=24",
+    "{stage}.train.rollout_batch_size=8",
+    "{stage}.train.eval_prompts=0",
+    "{stage}.rollout.max_new_tokens=8",
+    "{stage}.train.save_steps=1",
+    "{stage}.train.keep_last=3",
+    "{stage}.train.log_steps=1",
+)
 PPO_RUN_CHANGE = ("{stage}.train.save_steps=2", "{stage}.train.log_steps=2")
 # Models whose init_seed / tokenizer act (built from config: builtin:), and models with custom code.
 BUILTIN_BASES = {
-    "actor": (), "critic": ("{stage}.critic.name_or_path=builtin:tiny",),
+    "actor": (),
+    "critic": ("{stage}.critic.name_or_path=builtin:tiny",),
     "reward": ("{stage}.reward.name_or_path=builtin:tiny", "{stage}.algo.normalize_reward=false"),
     "reference": ("{stage}.reference.name_or_path=builtin:tiny",),
-}  # fmt: skip
-REMOTE_BASES = {"actor": "{remote_code_model}", "critic": "{remote_code_rm}", "reward": "{remote_code_rm}",
-                "reference": "{remote_code_model}"}  # fmt: skip
+}
+REMOTE_BASES = {
+    "actor": "{remote_code_model}",
+    "critic": "{remote_code_rm}",
+    "reward": "{remote_code_rm}",
+    "reference": "{remote_code_model}",
+}
 
 
 def _raised_then(cls_prefix: str) -> Callable[[Any, Any], bool]:
@@ -1239,8 +1283,11 @@ def _shifted_by(a: dict, b: dict, weight: float, source: str) -> bool:
 # Rewards by a function (no reward model): the response's length (score and the PPO kinds)
 BY_LENGTH = ("{stage}.reward=null", "{stage}.reward_fn=tests/data/config_keys/reward_fn.py:response_length")
 # The server that answers HTTP 503 to every request, tried three times without pauses
-FAILING_SERVER = ("{stage}.remote_rm_url={failing_url}", "{stage}.remote_rm.retries=2",
-                  "{stage}.remote_rm.backoff_s=0")  # fmt: skip
+FAILING_SERVER = (
+    "{stage}.remote_rm_url={failing_url}",
+    "{stage}.remote_rm.retries=2",
+    "{stage}.remote_rm.backoff_s=0",
+)
 # The KL term in the actor's loss, to a reference other than the actor's starting model (else it is 0 at step 0)
 KL_LOSS = ("{stage}.algo.kl_mode=loss", "{stage}.reference.name_or_path=builtin:tiny", "{stage}.reference.init_seed=1")
 
@@ -1262,7 +1309,7 @@ RL_PROBES: dict[str, Probe] = {
             and _result("action_tokens")(b)[2:] == [0, 0]
             and _result("action_tokens")(a)[2:] != [0, 0]
         ),
-    ),  # fmt: skip
+    ),
     "algo.kl_mode": probe("{stage}.algo.kl_mode=loss", observe=advantage_phase),  # no KL penalty in the rewards
     "algo.kl_loss_unbiased": probe(  # the KL term weighed by pi / pi_old (the old log-probs are 0.5 below)
         "{stage}.algo.kl_loss_unbiased=true",
@@ -1309,7 +1356,7 @@ RL_PROBES: dict[str, Probe] = {
             and "reward_fn_score" in _result("logs")(b)
             and "rm_score" not in _result("logs")(b)
         ),
-    ),  # fmt: skip
+    ),
     "remote_rm_url": probe(  # the server's gold scores added; its requests: the check, then the batch
         "{stage}.remote_rm_url={reward_url}",
         observe=experience_phase,
@@ -1328,7 +1375,7 @@ RL_PROBES: dict[str, Probe] = {
         expect=lambda a, b: (
             (a["requests"], b["requests"]) == (1, 3) and a["result"] == b["result"] == ("raised", "RemoteRewardError")
         ),
-    ),  # fmt: skip
+    ),
     "remote_rm.backoff_s": probe(  # the third try after 2 x 0.5 s
         "{stage}.remote_rm.backoff_s=0.5",
         observe=experience_phase,
@@ -1354,9 +1401,14 @@ RL_PROBES: dict[str, Probe] = {
 
 def _ppo_section(kind: str) -> dict[str, Probe]:
     trains_actor = kind == "ppo"  # critic_warmup: the actor never trains (no actor_optim, save_critic, freezing)
-    on_splits = (f"{{stage}}.data.train_path={PROMPT_SPLITS}", f"{{stage}}.data.eval_path={PROMPT_SPLITS}",
-                 "{stage}.train.rollout_batch_size=4", "{stage}.train.train_batch_size=8",
-                 "{stage}.train.micro_train_batch_size=8", "{stage}.train.micro_rollout_batch_size=8")  # fmt: skip
+    on_splits = (
+        f"{{stage}}.data.train_path={PROMPT_SPLITS}",
+        f"{{stage}}.data.eval_path={PROMPT_SPLITS}",
+        "{stage}.train.rollout_batch_size=4",
+        "{stage}.train.train_batch_size=8",
+        "{stage}.train.micro_train_batch_size=8",
+        "{stage}.train.micro_rollout_batch_size=8",
+    )
     out: dict[str, Probe] = {
         "data.train_path": probe(
             f"{{stage}}.data.train_path={PROMPT_SPLITS}/train.jsonl", observe=ppo_controller, base=on_splits[1:]
@@ -1658,11 +1710,16 @@ class LocalShards(LocalGroup):
         model = getattr(self.obj, "model", None)
         hf = getattr(model, "hf_model", model)
         self.record: dict[str, Any] = {
-            "factory": factory.__name__, "name": name, "workers": cfg.num_workers,
-            "device": resolve_device(cfg.device), "args": [repr(a) for a in args],
+            "factory": factory.__name__,
+            "name": name,
+            "workers": cfg.num_workers,
+            "device": resolve_device(cfg.device),
+            "args": [repr(a) for a in args],
             "kwargs": {k: repr(v) for k, v in kwargs.items()},
-            "attn": getattr(getattr(hf, "config", None), "_attn_implementation", None), "shards": [], "forwards": [],
-        }  # fmt: skip
+            "attn": getattr(getattr(hf, "config", None), "_attn_implementation", None),
+            "shards": [],
+            "forwards": [],
+        }
         if isinstance(model, torch.nn.Module):
             model.register_forward_pre_hook(forward_record(self.record["forwards"]), with_kwargs=True)
 
@@ -1696,36 +1753,39 @@ def _engine_model(path: Any) -> Any:
 
 def first_step(cfg: StrategyConfig, factory: type, *args, key: str = "strategy") -> list[dict]:
     """``launcher.run_group``'s stand-in for a DPO/KTO job: the rank's first step without DeepSpeed. The trainer the
-    job made (its impl, context and examples, with the reference log-probs the job attached) builds the policy as
-    fit() does, in fp32 with sdpa, runs impl.before_training on one rank (the starting model's reference log-probs
-    when the job attached none), and its impl.loss runs on the first four training examples."""
+    job made (its context and examples, with the reference log-probs the job attached) builds the policy as fit()
+    does, in fp32 with sdpa, scores the reference on one rank (score_on_ranks: the starting model's reference
+    log-probs when the job attached none), and its loss runs on the first four training examples."""
     launcher.check_constructor(factory, args, {})
     trainer = factory(*args)
-    impl, ctx = trainer.impl, trainer.ctx
-    ctx = dataclasses.replace(ctx, model_path=local_model_path(ctx.model_path))
+    ctx = trainer.ctx = dataclasses.replace(trainer.ctx, model_path=local_model_path(trainer.ctx.model_path))
     tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
-    model = impl.build_model(ctx, tokenizer, torch.float32, "sdpa")
+    model = trainer.build_model(tokenizer, torch.float32, "sdpa")
     examples = {"train": trainer.train_examples, "eval": trainer.eval_examples}
     strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train)
-    impl.before_training(model, ctx, strategy, examples, tokenizer.pad_token_id)
+    pad_id = tokenizer.pad_token_id
+    score_on_ranks(model, ctx, strategy, trainer.p, examples, trainer.reference_sequences, trainer.REF_KEYS, pad_id)
     forwards: list[tuple[int, bool]] = []
     model.register_forward_pre_hook(forward_record(forwards), with_kwargs=True)
-    loss, metrics = impl.loss(model, impl.collate(trainer.train_examples[:4], tokenizer.pad_token_id))
-    return [{
-        "steps": 0, "loss": round(loss.item(), 6), "step_metrics": {k: round(v, 6) for k, v in metrics.items()},
-        "online_reference": impl.online is not None, "policy_forwards": forwards,
-        "examples": (len(trainer.train_examples), len(trainer.eval_examples)),
-    }]  # fmt: skip
+    loss, metrics = trainer.loss(model, trainer.collate(trainer.train_examples[:4], tokenizer.pad_token_id))
+    return [
+        {
+            "steps": 0,
+            "loss": round(loss.item(), 6),
+            "step_metrics": {k: round(v, 6) for k, v in metrics.items()},
+            "online_reference": trainer.online is not None,
+            "policy_forwards": forwards,
+            "examples": (len(trainer.train_examples), len(trainer.eval_examples)),
+        }
+    ]
 
 
 @contextlib.contextmanager
 def in_process_workers():
     """Within: the jobs' worker groups are ``LocalShards`` of this process, Ray is neither started nor asked
     (``init_ray`` notes the CPUs asked for; the cluster is ``SESSION_CLUSTER``), ``run_group`` is ``first_step``,
-    and the rollout engines are recorded (``create_engines``' arguments, the prompts and ``SamplingConfig`` given to
-    ``generate``), answering ``fixed_responses``. Yields the record."""
-    from rlhf_core.distributed import rollout_engine
-
+    and the rollout engines are recorded (``EngineGroup.create``'s arguments, the prompts and ``SamplingConfig``
+    given to ``generate``), answering ``fixed_responses``. Yields the record."""
     record: dict[str, Any] = {"init_ray": [], "groups": [], "engines": [], "generate": []}
 
     class Group(LocalShards):
@@ -1733,17 +1793,30 @@ def in_process_workers():
             super().__init__(*args, **kwargs)
             record["groups"].append(self)
 
-    def create_engines(count, model_path, *, backend="vllm", tensor_parallel_size=1, num_cpus_per_engine=1,
-                       env_vars=None, placement=None, share=1.0, resources=None, **kwargs):  # fmt: skip
-        record["engines"].append({
-            "count": count, "model": _engine_model(model_path), "backend": backend, "tp": tensor_parallel_size,
-            "cpus": num_cpus_per_engine, "resources": resources, "kwargs": kwargs,
-        })  # fmt: skip
-        return [None] * count
-
     class Engines:
-        def __init__(self, engines: list, eos_token_id: int, sleep: bool = False):
-            self.engines, self.eos = engines, eos_token_id
+        def __init__(self, eos_token_id: int):
+            self.eos = eos_token_id
+
+        @classmethod
+        def create(
+            cls,
+            count,
+            model_path,
+            *,
+            eos_token_id,
+            backend="vllm",
+            tensor_parallel_size=1,
+            num_cpus_per_engine=1,
+            env_vars=None,
+            placement=None,
+            share=1.0,
+            resources=None,
+            **kwargs,
+        ):
+            asked = {"count": count, "model": _engine_model(model_path), "backend": backend}
+            asked.update(tp=tensor_parallel_size, cpus=num_cpus_per_engine, resources=resources, kwargs=kwargs)
+            record["engines"].append(asked)
+            return cls(eos_token_id)
 
         def wait_ready(self) -> None:
             pass
@@ -1753,7 +1826,7 @@ def in_process_workers():
             return fixed_responses(len(prompt_ids) * sampling.n, self.eos)
 
         def shutdown(self) -> None:
-            self.engines = []
+            pass
 
     swaps = [
         (launcher, "RayWorkerGroup", Group),
@@ -1763,8 +1836,7 @@ def in_process_workers():
         (launcher, "wait", list),
         (launcher, "shutdown_ray", lambda: None),
         (launcher, "run_group", first_step),
-        (rollout_engine, "create_engines", create_engines),
-        (rollout_engine, "EngineGroup", Engines),
+        (rollout_group, "EngineGroup", Engines),
     ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     for module, name, value in swaps:
@@ -1789,12 +1861,15 @@ def in_process_job(cfg: PipelineConfig, stage: str) -> Any:
         def run():
             with in_process_workers() as record:
                 ref = job_module(cfg, stage).run(cfg, stage)
-            store = common.open_store(cfg)
+            store = open_store(cfg)
             out = {
-                "init_ray": record["init_ray"], "groups": [g.record for g in record["groups"]],
-                "strategies": [g.cfg for g in record["groups"]], "engines": record["engines"],
-                "generate": record["generate"], "metrics": ref.metrics,
-            }  # fmt: skip
+                "init_ray": record["init_ray"],
+                "groups": [g.record for g in record["groups"]],
+                "strategies": [g.cfg for g in record["groups"]],
+                "engines": record["engines"],
+                "generate": record["generate"],
+                "metrics": ref.metrics,
+            }
             if cfg.kind(stage) in ("dpo", "kto"):
                 out["reference_logprobs"] = store.is_complete(f"{stage}/{preference_rel()}")
             else:
@@ -1807,9 +1882,9 @@ def in_process_job(cfg: PipelineConfig, stage: str) -> Any:
 
 
 def preference_rel() -> str:
-    from rlhf_core.jobs.preference import REFERENCE_REL
+    from rlhf_core.run_layout import REFERENCE_LOGPROBS
 
-    return REFERENCE_REL
+    return REFERENCE_LOGPROBS
 
 
 def in_process_part(*path: str | int, doc: str):
@@ -1846,10 +1921,14 @@ def stage_graph(cfg: PipelineConfig, stage: str) -> dict:
     """The run's stage graph as the pipeline walks it (cfg.order()): each instance's kind, loop iteration (cfg.
     iterations), the stages it reads and its config hash."""
     return {
-        name: {"kind": cfg.kind(name), "iteration": cfg.iterations.get(name),
-               "upstream": cfg.spec(name).upstream_names(), "hash": stage_hash(cfg.stage(name))}
+        name: {
+            "kind": cfg.kind(name),
+            "iteration": cfg.iterations.get(name),
+            "upstream": cfg.spec(name).upstream_names(),
+            "hash": stage_hash(cfg.stage(name)),
+        }
         for name in cfg.order()
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1949,11 +2028,15 @@ KTO_SECTION = {
 }
 
 # generate: the HF engines, two samples per prompt of 8 tokens at most, and a reference (KL to it: log-prob groups)
-GENERATE_BASE = ("{stage}.rollout.backend=hf", "{stage}.rollout.max_new_tokens=8",
-                 "{stage}.rollout.n_samples_per_prompt=2", "{stage}.reference.name_or_path=builtin:tiny",
-                 "{stage}.reference.init_seed=1")  # fmt: skip
+GENERATE_BASE = (
+    "{stage}.rollout.backend=hf",
+    "{stage}.rollout.max_new_tokens=8",
+    "{stage}.rollout.n_samples_per_prompt=2",
+    "{stage}.reference.name_or_path=builtin:tiny",
+    "{stage}.reference.init_seed=1",
+)
 VLLM = ("{stage}.rollout.backend=vllm",)
-engines_asked = in_process_part("engines", 0, doc="The engines the generate job starts (create_engines' arguments).")
+engines_asked = in_process_part("engines", 0, doc="The engines generate starts (EngineGroup.create's arguments).")
 engine_kwargs_of = in_process_part("engines", 0, "kwargs", doc="The constructor kwargs generate gives its engines.")
 sampling_of = in_process_part("generate", 0, "sampling", doc="The SamplingConfig generate gives its engines.")
 prompts_of = in_process_part("generate", 0, "prompt_ids", doc="The prompts (token ids) generate gives its engines.")
@@ -2069,7 +2152,7 @@ GENERATE_SECTION: dict[str, Probe] = {
         "{stage}.rollout.num_engines=2",
         observe=in_process_part(doc="generate run in-process."),
         expect=lambda a, b: b["engines"][0]["count"] == 2 and b["init_ray"][0] == a["init_ray"][0] + 1,
-    ),  # fmt: skip
+    ),
     "rollout.tensor_parallel_size": probe(
         "{stage}.rollout.tensor_parallel_size=2", observe=engines_asked, base=VLLM, expect=lambda a, b: b["tp"] == 2
     ),
@@ -2115,7 +2198,7 @@ GENERATE_SECTION: dict[str, Probe] = {
         "{stage}.seed=7",
         observe=in_process_part(doc="generate run in-process."),
         expect=lambda a, b: b["generate"][0]["sampling"]["seed"] == 7 == b["engines"][0]["kwargs"]["seed"],
-    ),  # fmt: skip
+    ),
     "gold_reward": probe(
         "{stage}.gold_reward=rlhf_core.data.synthetic:gold_reward",
         observe=job_output,
@@ -2166,7 +2249,7 @@ SCORE_SECTION: dict[str, Probe] = {
         expect=lambda a, b: (
             not b["groups"] and [r["score"] for r in b["rows"]] == [len(r["response"]) for r in b["rows"]]
         ),
-    ),  # fmt: skip
+    ),
     "strategy.num_workers": probe(
         "{stage}.strategy.num_workers=2",
         observe=scorer_groups,
@@ -2267,7 +2350,7 @@ def trackers_written(cfg: PipelineConfig, stage: str) -> Any:
     from tests.test_tracking import wandb_records
 
     def run() -> dict:
-        store = common.open_store(cfg)
+        store = open_store(cfg)
         with tracking.Tracker(tracking.spec_for(cfg, "sft", store)) as tracker:
             tracker.log(1, {"loss": 1.0})
         root = Path(store.root_uri)
@@ -2284,8 +2367,11 @@ def trackers_written(cfg: PipelineConfig, stage: str) -> Any:
             exp = client.get_experiment_by_name(cfg.tracking.mlflow.experiment)
             runs = client.search_runs([exp.experiment_id]) if exp is not None else []
             mine = [r for r in runs if r.data.tags.get("rlhf.run_uri") == store.root_uri]
-            out["mlflow"] = (cfg.tracking.mlflow.tracking_uri.rsplit("/", 1)[-1], exp.name if exp else None,
-                             [(plain(r.info.run_name), r.info.status, r.data.metrics) for r in mine])  # fmt: skip
+            out["mlflow"] = (
+                cfg.tracking.mlflow.tracking_uri.rsplit("/", 1)[-1],
+                exp.name if exp else None,
+                [(plain(r.info.run_name), r.info.status, r.data.metrics) for r in mine],
+            )
         for run_file in (root / "wandb").glob("offline-run-*/run-*.wandb"):
             for record in wandb_records(run_file):
                 if record.HasField("run"):
@@ -2414,9 +2500,17 @@ def paths(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-                 "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", events.EVENTS_ENV,
-                 "WANDB_API_KEY"):  # fmt: skip
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        events.EVENTS_ENV,
+        "WANDB_API_KEY",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RLHF_WORK_DIR", str(tmp_path / "work"))
 

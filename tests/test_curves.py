@@ -8,10 +8,24 @@ import matplotlib.image
 
 from rlhf_core import curves
 
-PPO_STEP = {"reward": 0.5, "rm_score": 0.4, "kl": 0.02, "kl_token_mean": 0.001, "response_len": 14.0,
-            "policy_loss": -0.1, "critic_loss": 0.3, "clip_frac": 0.05, "value_clip_frac": 0.0, "actor_lr": 1e-6,
-            "timing/generation_s": 0.4, "timing/step_s": 1.2, "actor_frozen": False, "prompts": [1, 2],
-            "weight_sync_mib": 3.0, "truncated_frac": 0.25}  # fmt: skip
+PPO_STEP = {
+    "reward": 0.5,
+    "rm_score": 0.4,
+    "kl": 0.02,
+    "kl_token_mean": 0.001,
+    "response_len": 14.0,
+    "policy_loss": -0.1,
+    "critic_loss": 0.3,
+    "clip_frac": 0.05,
+    "value_clip_frac": 0.0,
+    "actor_lr": 1e-6,
+    "timing/generation_s": 0.4,
+    "timing/step_s": 1.2,
+    "actor_frozen": False,
+    "prompts": [1, 2],
+    "weight_sync_mib": 3.0,
+    "truncated_frac": 0.25,
+}
 
 
 def ppo_history(n: int) -> list[dict]:
@@ -53,8 +67,11 @@ def test_an_overlay_has_one_line_per_run_and_metric():
     assert [ax.get_title() for ax in axes] == [title for title, _ in curves.panels([a, b])]
     kl = axes[2]
     assert [line.get_label() for line in kl.get_lines()] == [
-        "lr=1e-6: kl", "lr=1e-6: kl_token_mean", "lr=5e-6: kl", "lr=5e-6: kl_token_mean"
-    ]  # fmt: skip
+        "lr=1e-6: kl",
+        "lr=1e-6: kl_token_mean",
+        "lr=5e-6: kl",
+        "lr=5e-6: kl_token_mean",
+    ]
     reward = axes[0].get_lines()
     assert list(reward[0].get_xdata()) == [1, 2, 3, 4] and list(reward[1].get_xdata()) == [1, 2]
     assert list(reward[0].get_ydata()) == [0.1, 0.2, 0.30000000000000004, 0.4]

@@ -75,6 +75,7 @@ def test_fallback_packing_round_trips_every_tensor():
 def test_gpu_run_without_cuda_says_so():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1 and json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is False

@@ -10,8 +10,14 @@ JOB = "tests.fixtures.fake_stage_job"
 
 def test_progress_and_result_come_from_events(tmp_path):
     lines, steps = [], []
-    ref = launch_stage("sft_b", JOB, "cfg.yaml", ObjectStore(str(tmp_path)), lines.append,
-                       on_event=lambda e: steps.append((e["step"], e["total"])))  # fmt: skip
+    ref = launch_stage(
+        "sft_b",
+        JOB,
+        "cfg.yaml",
+        ObjectStore(str(tmp_path)),
+        lines.append,
+        on_event=lambda e: steps.append((e["step"], e["total"])),
+    )
     assert steps == [(1, 2), (2, 2)]  # not the 9/9 of the log line, nor the other stage's event
     assert ref["stage"] == "sft_b" and ref["step"] == 2
     assert any("step 9/9" in line for line in lines)  # the log still reaches the run log, unparsed

@@ -15,8 +15,13 @@ from rlhf_core.storage import ObjectStore
 
 def record(**changes):
     me = psutil.Process()
-    base = {"token": "t", "host": socket.gethostname(), "pid": me.pid, "pid_started": me.create_time(),
-            "heartbeat": time.time()}  # fmt: skip
+    base = {
+        "token": "t",
+        "host": socket.gethostname(),
+        "pid": me.pid,
+        "pid_started": me.create_time(),
+        "heartbeat": time.time(),
+    }
     return {**base, **changes}
 
 

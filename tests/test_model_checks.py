@@ -13,13 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core.models.builders import (
-    ModelPathError,
-    build_causal_lm,
-    build_scalar_model,
-    check_model_source,
-    load_tokenizer,
-)
+from rlhf_core.models.builders import ModelPathError, build_causal_lm, build_scalar_model, load_tokenizer
+from rlhf_core.models.checks import check_model_source
 from tests.remote_code import add_remote_code
 
 KEY = "sft.model.name_or_path"
@@ -177,8 +172,11 @@ def test_custom_code_needs_trust_remote_code(copy_of):
 def test_config_values_transformers_rejects(copy_of):
     folder = copy_of()
     edit_config(folder, num_attention_heads=3)  # 64 wide does not split into 3 heads of head_dim 32
-    refused(folder, r"config.json does not load as a llama config \(.*not a multiple of the number of attention "
-            r"heads \(3\)")  # fmt: skip
+    refused(
+        folder,
+        r"config.json does not load as a llama config \(.*not a multiple of the number of attention "
+        r"heads \(3\)",
+    )
 
 
 def test_config_with_more_layers_than_the_weights(copy_of):
@@ -200,15 +198,21 @@ def test_truncated_safetensors(copy_of):
     folder = copy_of()
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[: len(data) - 100])
-    refused(folder, r"model.safetensors is not a readable safetensors file \(tensor \S+ ends at byte \d+ of \d+ "
-            r"data bytes: the file is truncated\)")  # fmt: skip
+    refused(
+        folder,
+        r"model.safetensors is not a readable safetensors file \(tensor \S+ ends at byte \d+ of \d+ "
+        r"data bytes: the file is truncated\)",
+    )
 
 
 def test_random_bytes_safetensors(copy_of):
     folder = copy_of()
     (folder / "model.safetensors").write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
-    refused(folder, r"model.safetensors is not a readable safetensors file \(header length \d+ but the file has "
-            r"4096 bytes")  # fmt: skip
+    refused(
+        folder,
+        r"model.safetensors is not a readable safetensors file \(header length \d+ but the file has "
+        r"4096 bytes",
+    )
 
 
 def test_tiny_safetensors(copy_of):
@@ -241,16 +245,22 @@ def test_header_entry_size_disagrees_with_shape(copy_of):
 def test_shape_mismatch(copy_of, change, tensor):
     folder = copy_of()
     edit_config(folder, **change)
-    message = refused(folder, rf"tensor {tensor} in \S+model.safetensors has shape \[\d+, \d+\] but \S+config.json "
-                              r"implies \[\d+, \d+\]")  # fmt: skip
+    message = refused(
+        folder,
+        rf"tensor {tensor} in \S+model.safetensors has shape \[\d+, \d+\] but \S+config.json "
+        r"implies \[\d+, \d+\]",
+    )
     assert "fix the config or re-export the model" in message
 
 
 def test_missing_shard(copy_of):
     folder = copy_of("sharded")
     sorted(folder.glob("model-*.safetensors"))[1].unlink()
-    refused(folder, r"model.safetensors.index.json lists 1 shard\(s\) missing from \S+ \(model-00002-of-\d+"
-            r".safetensors\); copy every shard")  # fmt: skip
+    refused(
+        folder,
+        r"model.safetensors.index.json lists 1 shard\(s\) missing from \S+ \(model-00002-of-\d+"
+        r".safetensors\); copy every shard",
+    )
 
 
 def test_truncated_shard(copy_of):
@@ -283,8 +293,11 @@ def test_no_tokenizer_files(copy_of):
     folder = copy_of()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (folder / name).unlink(missing_ok=True)
-    refused(folder, r"has no tokenizer files \(tokenizer.json, .*\); copy the tokenizer into it .* or set "
-            r"sft.model.tokenizer to one")  # fmt: skip
+    refused(
+        folder,
+        r"has no tokenizer files \(tokenizer.json, .*\); copy the tokenizer into it .* or set "
+        r"sft.model.tokenizer to one",
+    )
 
 
 def test_broken_tokenizer_json(copy_of):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +23,8 @@ from rlhf_core.algos.packing import plan_packing
 from rlhf_core.algos.ppo import policy_loss
 from rlhf_core.config import StrategyConfig
 from rlhf_core.data.examples import pad_right
-from rlhf_core.jobs.reward_model import RewardModelImpl
-from rlhf_core.jobs.sft import SFTImpl
+from rlhf_core.jobs.reward_model import RewardModelTrainer
+from rlhf_core.jobs.sft import SFTTrainer
 from rlhf_core.models.builders import ScalarHeadModel, build_causal_lm, build_scalar_model, load_tokenizer
 from rlhf_core.models.forward import causal_lm_logprobs, scalar_values
 
@@ -106,19 +107,27 @@ def test_packed_and_padded_training_losses_and_gradients_agree(tok, lm):
         torch.testing.assert_close(g1[name], g2[name], **TOL)
 
     examples = [{"input_ids": ids, "loss_mask": [0] * 2 + [1] * (len(ids) - 2)} for ids in _rows(seq)]
-    sft = [SFTImpl(packing=p).loss(lm, SFTImpl().collate(examples, tok.pad_token_id))[0] for p in (True, False)]
+    trainers = [SFTTrainer(_packing(p), [], []) for p in (True, False)]
+    batch = trainers[0].collate(examples, tok.pad_token_id)
+    sft = [trainer.loss(lm, batch)[0] for trainer in trainers]
     torch.testing.assert_close(sft[0], sft[1], **TOL)
     # by hand: the SFT loss is the negative mean log-prob of the loss-mask tokens
-    batch = SFTImpl().collate(examples, tok.pad_token_id)
     with torch.no_grad():
-        lp = token_logprobs(lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                            batch["input_ids"])  # fmt: skip
+        lp = token_logprobs(
+            lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["input_ids"]
+        )
     torch.testing.assert_close(sft[0].detach(), -masked_mean(lp, batch["loss_mask"][:, 1:]), **TOL)
 
     rm_model = ScalarHeadModel(build_scalar_model("builtin:tiny", tok, seed=2, dtype=torch.float32, attn="sdpa"))
     pairs = [{"chosen_ids": a, "rejected_ids": b} for a, b in zip(_rows(seq)[:4], _rows(seq)[4:])]
-    rm = [RewardModelImpl(0.0, packing=p).loss(rm_model, RewardModelImpl(0.0).collate(pairs, 0))[0] for p in (1, 0)]
+    trainers = [RewardModelTrainer(_packing(p), [], [], margin=0.0) for p in (True, False)]
+    rm = [trainer.loss(rm_model, trainers[0].collate(pairs, 0))[0] for trainer in trainers]
     torch.testing.assert_close(rm[0], rm[1], **TOL)
+
+
+def _packing(packing: bool) -> SimpleNamespace:
+    """The part of a stage's ``StageContext`` that its loss reads: ``strategy.packing``."""
+    return SimpleNamespace(strategy=StrategyConfig(packing=packing))
 
 
 def _rows(seq) -> list[list[int]]:
@@ -186,8 +195,15 @@ def test_log_prob_memory_does_not_grow_with_vocabulary_times_positions():
 
     peaks = {}
     for vocab in (4096, 16384):
-        config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=2, head_dim=32)  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).eval()
         for width in (64, 256):
@@ -253,10 +269,13 @@ def test_every_ppo_role_gives_the_same_outputs_packed_and_padded(ray_cluster, tm
             actor_stats = groups["actor", pack].call_each(PolicyActor.fit, [exp], 0)[0]
             critic_stats = groups["critic", pack].call_each(CriticActor.fit, [exp], 0)[0]
             out[pack] = {
-                "logp": logp, "values": values, "actor": actor_stats, "critic": critic_stats,
+                "logp": logp,
+                "values": values,
+                "actor": actor_stats,
+                "critic": critic_stats,
                 "actor_state": groups["actor", pack].call(PolicyActor.trainable_state)[0],
                 "critic_state": groups["critic", pack].call(CriticActor.trainable_state)[0],
-            }  # fmt: skip
+            }
     finally:
         for g in groups.values():
             g.shutdown()

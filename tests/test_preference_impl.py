@@ -1,4 +1,4 @@
-"""The DPO and KTO stage implementations on a fixed tiny model, in this process (no Ray): what the trainer's ranks run.
+"""The DPO and KTO stages' rank code on a fixed tiny model, in this process (no Ray, no DeepSpeed).
 
 At the start of training the policy is its own reference, so every log-ratio is 0: DPO's loss is log 2 and KTO's is
 (1 - sigmoid(0)) = 1/2 per example, with zero implicit rewards. Precomputed and online reference log-probs agree, and
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rlhf_core.config import DPOConfig, KTOConfig, load_config
-from rlhf_core.jobs.dpo import DPOImpl
-from rlhf_core.jobs.kto import KTOImpl
-from rlhf_core.jobs.preference import response_logprobs
+from rlhf_core.jobs.dpo import DPOTrainer
+from rlhf_core.jobs.kto import KTOTrainer
+from rlhf_core.jobs.preference import response_logprobs, score_on_ranks, tensors
 from rlhf_core.models.builders import load_tokenizer
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
@@ -54,12 +54,21 @@ def _section(path, kind: str, *overrides: str):
 
 
 def _ctx():
+    """The part of a rank's ``StageContext`` that building the policy reads."""
     return SimpleNamespace(model_path="builtin:tiny", init_seed=0, trust_remote_code=False)
+
+
+def _dpo(p: DPOConfig, reference: str | None = None) -> DPOTrainer:
+    return DPOTrainer(_ctx(), [], [], p, reference)
+
+
+def _kto(p: KTOConfig, reference: str | None = None) -> KTOTrainer:
+    return KTOTrainer(_ctx(), [], [], p, reference)
 
 
 def _policy(impl, tokenizer):
     torch.manual_seed(0)
-    return impl.build_model(_ctx(), tokenizer, torch.float32, "sdpa")
+    return impl.build_model(tokenizer, torch.float32, "sdpa")
 
 
 def _own_logps(model, impl, batch) -> torch.Tensor:
@@ -70,26 +79,26 @@ def _own_logps(model, impl, batch) -> torch.Tensor:
 def test_dpo_with_the_policy_as_reference_has_loss_log_2_online_and_precomputed(tokenizer):
     p: DPOConfig = _section(TINY_DPO, "dpo")
     examples = _pairs(tokenizer)
-    online = DPOImpl(p, reference="builtin:tiny")  # a frozen copy of the same seed-0 model
+    online = _dpo(p, reference="builtin:tiny")  # a frozen copy of the same seed-0 model
     model = _policy(online, tokenizer)
     batch = online.collate(examples, tokenizer.pad_token_id)
     loss, metrics = online.loss(model, batch)
     assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["chosen_reward"] == pytest.approx(0, abs=1e-6) and metrics["margin"] == pytest.approx(0, abs=1e-6)
 
-    # precomputed: the numbers travel in the examples (as run_preference attaches them)
+    # precomputed: the numbers travel in the examples (as preference.driver_reference attaches them)
     own = _own_logps(model, online, batch)
     n = len(examples)
     for e, c, r in zip(examples, own[:n].tolist(), own[n:].tolist()):
         e["ref_chosen"], e["ref_rejected"] = c, r
-    precomputed = DPOImpl(p)
+    precomputed = _dpo(p)
     loss_pre, _ = precomputed.loss(model, precomputed.collate(examples, tokenizer.pad_token_id))
     assert loss_pre.item() == pytest.approx(loss.item(), abs=1e-6)
 
 
 def test_one_dpo_step_raises_the_chosen_over_the_rejected(tokenizer):
     p: DPOConfig = _section(TINY_DPO, "dpo")
-    impl = DPOImpl(p, reference="builtin:tiny")
+    impl = _dpo(p, reference="builtin:tiny")
     model = _policy(impl, tokenizer)
     batch = impl.collate(_pairs(tokenizer), tokenizer.pad_token_id)
     before = _own_logps(model, impl, batch)
@@ -113,7 +122,7 @@ def test_ipo_and_the_nll_term_change_the_loss(tokenizer):
         "ipo": ("dpo.loss_type=ipo",),
         "nll": ("dpo.nll_loss_coef=1.0",),
     }.items():
-        impl = DPOImpl(_section(TINY_DPO, "dpo", *overrides), reference="builtin:tiny")
+        impl = _dpo(_section(TINY_DPO, "dpo", *overrides), reference="builtin:tiny")
         model = _policy(impl, tokenizer)
         loss, metrics = impl.loss(model, impl.collate(examples, tokenizer.pad_token_id))
         losses[name] = (loss.item(), metrics)
@@ -134,16 +143,23 @@ def test_kto_with_the_policy_as_reference_gives_one_half_and_zero_kl(tokenizer):
             prompt_len = pair[f"{key}_prompt_len"]
             prompt = pair[f"{key}_ids"][:prompt_len]
             response = other[f"{key}_ids"][other[f"{key}_prompt_len"] :]
-            examples.append({"input_ids": pair[f"{key}_ids"], "prompt_len": prompt_len, "desirable": good,
-                             "kl_ids": prompt + response, "kl_prompt_len": prompt_len})  # fmt: skip
-    impl = KTOImpl(p, reference="builtin:tiny")
+            examples.append(
+                {
+                    "input_ids": pair[f"{key}_ids"],
+                    "prompt_len": prompt_len,
+                    "desirable": good,
+                    "kl_ids": prompt + response,
+                    "kl_prompt_len": prompt_len,
+                }
+            )
+    impl = _kto(p, reference="builtin:tiny")
     model = _policy(impl, tokenizer)
     batch = impl.collate(examples, tokenizer.pad_token_id)
     loss, metrics = impl.loss(model, batch)
     # r = 0 and z = 0: each example loses 1 - sigmoid(0) = 0.5, weights 1
     assert loss.item() == pytest.approx(0.5, abs=1e-6)
     assert metrics["kl"] == pytest.approx(0, abs=1e-6) and metrics["chosen_reward"] == pytest.approx(0, abs=1e-6)
-    weighted = KTOImpl(_section(TINY_KTO, "kto", "kto.desirable_weight=2.0"), reference="builtin:tiny")
+    weighted = _kto(_section(TINY_KTO, "kto", "kto.desirable_weight=2.0"), reference="builtin:tiny")
     loss_w, _ = weighted.loss(_policy(weighted, tokenizer), weighted.collate(examples, tokenizer.pad_token_id))
     assert loss_w.item() == pytest.approx((3 * 2 * 0.5 + 3 * 0.5) / 6, abs=1e-6)  # 0.75
 
@@ -170,23 +186,25 @@ def test_the_training_ranks_score_the_starting_policy_each_its_share_and_rank_0_
     # 4 ranks: the 6 training sequences give shares of 2, 2, 1 and 1, the 2 held-out ones 1, 1, 0 and 0 (padded to
     # equal forwards, the padding dropped); eval_batch_size 1 = one forward per sequence
     world, splits = 4, {"train": pairs, "eval": pairs[:1]}
-    ctx = SimpleNamespace(run_uri=str(tmp_path / "run"), storage_options={}, stage="dpo", config_hash="h",
-                          train=SimpleNamespace(eval_batch_size=1))  # fmt: skip
-    impl = DPOImpl(p)
+    ctx = SimpleNamespace(
+        run_uri=str(tmp_path / "run"),
+        storage_options={},
+        stage="dpo",
+        config_hash="h",
+        train=SimpleNamespace(eval_batch_size=1),
+    )
+    impl = _dpo(p)
     model = _policy(impl, tokenizer)
     box, barrier = [None] * world, threading.Barrier(world)
     ranks = [copy.deepcopy(splits) for _ in range(world)]
+
+    def score(model, strategy, splits) -> None:  # as DPOTrainer.fit calls it, on the model it has just built
+        score_on_ranks(
+            model, ctx, strategy, p, splits, impl.reference_sequences, impl.REF_KEYS, tokenizer.pad_token_id
+        )
+
     threads = [
-        threading.Thread(
-            target=impl.before_training,
-            args=(
-                _policy(impl, tokenizer),
-                ctx,
-                _ThreadRanks(r, world, box, barrier),
-                ranks[r],
-                tokenizer.pad_token_id,
-            ),
-        )  # fmt: skip
+        threading.Thread(target=score, args=(_policy(impl, tokenizer), _ThreadRanks(r, world, box, barrier), ranks[r]))
         for r in range(world)
     ]
     for t in threads:
@@ -195,7 +213,8 @@ def test_the_training_ranks_score_the_starting_policy_each_its_share_and_rank_0_
         t.join(timeout=120)
     # What one process gets scoring everything itself: chosen rows, then rejected rows.
     for name, rows in splits.items():
-        own = _own_logps(model, impl, impl.tensors(rows, tokenizer.pad_token_id)).tolist()
+        batch = tensors(rows, tokenizer.pad_token_id, impl.reference_sequences, impl.REF_KEYS)
+        own = _own_logps(model, impl, batch).tolist()
         expected = [v for pair in zip(own[: len(rows)], own[len(rows) :]) for v in pair]
         for r in range(world):
             got = [e[key] for e in ranks[r][name] for key in ("ref_chosen", "ref_rejected")]
@@ -208,7 +227,10 @@ def test_the_training_ranks_score_the_starting_policy_each_its_share_and_rank_0_
 
     # numbers already attached (read back by the driver): nothing is scored, no rank gathers
     never = SimpleNamespace(rank=0, world_size=1, all_gather_object=lambda obj: pytest.fail("scored again"))
-    impl.before_training(model, ctx, never, ranks[0], tokenizer.pad_token_id)
+    score(model, never, ranks[0])
     # another reference model: its numbers come from the driver's ReferencePolicy group, not from the ranks
-    other = DPOImpl(_section(TINY_DPO, "dpo", "dpo.reference.name_or_path=builtin:tiny", "dpo.reference.init_seed=1"))
-    other.before_training(model, ctx, never, copy.deepcopy(splits), tokenizer.pad_token_id)
+    other = _section(TINY_DPO, "dpo", "dpo.reference.name_or_path=builtin:tiny", "dpo.reference.init_seed=1")
+    keys = impl.REF_KEYS
+    score_on_ranks(
+        model, ctx, never, other, copy.deepcopy(splits), impl.reference_sequences, keys, tokenizer.pad_token_id
+    )

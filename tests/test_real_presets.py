@@ -4,7 +4,7 @@ CPU, and PPO's resource check places them on the GPU count they claim and refuse
 import pytest
 
 from rlhf_core.config import ConfigError, load_config, validate
-from rlhf_core.jobs import ppo
+from rlhf_core.distributed.placement import RoleSet, check_fits, resource_demand
 from tests.conftest import ROOT
 
 CONFIGS = ROOT / "deployments" / "configs"
@@ -42,18 +42,19 @@ def test_resource_check_accepts_the_claimed_gpus_and_refuses_fewer(name):
     cfg = load_config(CONFIGS / f"{name}.yaml")
     for stage in RL_STAGES:
         p = cfg.stage(stage)
-        assert ppo.resource_demand(p, "cuda")["GPU"] == gpus
-        ppo.check_fits(stage, p, "cuda", {"CPU": cpus, "GPU": gpus})
+        roles = RoleSet.of(p)
+        assert resource_demand(p, roles, "cuda")["GPU"] == gpus
+        check_fits(stage, p, roles, "cuda", {"CPU": cpus, "GPU": gpus})
         with pytest.raises(
             ConfigError, match=rf"need {gpus} GPU but the Ray cluster has {gpus - 1}.*'{stage}\.rollout"
         ):
-            ppo.check_fits(stage, p, "cuda", {"CPU": cpus, "GPU": gpus - 1})
+            check_fits(stage, p, roles, "cuda", {"CPU": cpus, "GPU": gpus - 1})
         # vLLM sleep mode is CUDA-only: the same preset on a CPU machine is refused by key
         with pytest.raises(ConfigError, match=rf"'{stage}\.rollout\.enable_sleep' needs a GPU"):
-            ppo.check_fits(stage, p, "cpu", {"CPU": cpus})
+            check_fits(stage, p, roles, "cpu", {"CPU": cpus})
 
 
 def test_8gpu_preset_refuses_more_engine_gpus_than_actor_bundles():
     cfg = load_config(CONFIGS / "llama3-8b-8gpu.yaml", ["ppo.rollout.num_engines=8"])
     with pytest.raises(ConfigError, match=r"'ppo\.rollout\.num_engines' x tensor_parallel_size = 16 exceeds the 8"):
-        ppo.check_fits("ppo", cfg.stage("ppo"), "cuda", {"CPU": 64, "GPU": 16})
+        check_fits("ppo", cfg.stage("ppo"), RoleSet.of(cfg.stage("ppo")), "cuda", {"CPU": 64, "GPU": 16})

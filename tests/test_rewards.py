@@ -159,8 +159,9 @@ def test_secrets_in_the_url_never_appear_in_errors():
         assert secret_pw not in text and secret_token not in text and "alice" not in text
     # a server that echoes the query string in its error body: redacted too
     with serve(fail_status=500, fail_body=f"bad token={secret_token}") as (plain, server):
-        rm = RemoteRewardModel(plain.replace("http://", f"http://alice:{secret_pw}@") + f"?token={secret_token}", KEY,
-                               retries=0)  # fmt: skip
+        rm = RemoteRewardModel(
+            plain.replace("http://", f"http://alice:{secret_pw}@") + f"?token={secret_token}", KEY, retries=0
+        )
         with pytest.raises(RemoteRewardError, match="HTTP 500") as e:
             rm.score(PROMPTS, RESPONSES)
         assert server.state.paths == [f"/score?token={secret_token}"]  # the real URL was used

@@ -1,9 +1,13 @@
 """Config of the RL family: each estimator's and reward source's mistakes are refused naming the key and the fix, a
 remote reward server's credentials never reach a dump of the config, and the presets without a critic load."""
 
+import re
+import typing
+
 import pytest
 
-from rlhf_core.config import ConfigError, load_config, stage_hash, to_yaml
+from rlhf_core.algos.vocab import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+from rlhf_core.config import ConfigError, PPOAlgoConfig, load_config, stage_hash, to_yaml
 from tests.conftest import ROOT
 
 PRESETS = ROOT / "deployments" / "configs"
@@ -63,3 +67,16 @@ def test_the_critic_free_presets_have_no_critic_stage(preset):
     if preset == "tiny-rlvr":
         assert section.reward is None and section.reward_fn.endswith("gold.py:gold_rewards")
         assert "reward_model" not in cfg.stages
+
+
+def test_the_estimator_names_are_the_algorithms_own():
+    """rlhf_core.algos names the estimators and loss aggregations (one Literal each); the config's fields take those
+    types, so the config accepts exactly what the algorithms implement."""
+    hints = typing.get_type_hints(PPOAlgoConfig)
+    assert typing.get_args(hints["advantage_estimator"]) == ADVANTAGE_ESTIMATORS
+    assert typing.get_args(hints["kl_estimator"]) == KL_ESTIMATORS
+    assert typing.get_args(hints["loss_agg"]) == LOSS_AGGREGATIONS
+    assert set(GROUP_ESTIMATORS) < set(ADVANTAGE_ESTIMATORS)
+    choices = ", ".join(map(re.escape, ADVANTAGE_ESTIMATORS))
+    with pytest.raises(ConfigError, match=f"'ppo.algo.advantage_estimator': choose one of {choices}$"):
+        load_config(TINY, ["ppo.algo.advantage_estimator=ppo"])

@@ -46,8 +46,14 @@ def test_stage_jobs_join_the_runs_ray_which_is_stopped_after(monkeypatch):
         ((_, temp),) = _HEADS.values()
         assert _cluster_pids(str(temp))  # its GCS and raylet
         for _ in range(2):  # two stage jobs, one cluster
-            out = subprocess.run([sys.executable, "-c", JOB], cwd=ROOT, env=dict(os.environ), capture_output=True,
-                                 text=True, timeout=300)  # fmt: skip
+            out = subprocess.run(
+                [sys.executable, "-c", JOB],
+                cwd=ROOT,
+                env=dict(os.environ),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
             got = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
             # the head's GCS (Ray names it by the machine's address; the port is the head's)

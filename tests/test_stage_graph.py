@@ -31,8 +31,13 @@ def test_tiny_preset_keeps_its_five_stages_and_their_order():
 
 def test_two_instances_of_one_kind_run_in_dependency_order_whatever_the_preset_order(tmp_path):
     # sft_b reads sft_a's output but is declared first: the order follows the stage: reference.
-    preset = write(tmp_path, "run_uri: /x\nstages:\n  sft_b:\n    kind: sft" + SFT.format(model="stage:sft_a")
-                   + "\n  sft_a:\n    kind: sft" + SFT.format(model="builtin:tiny"))  # fmt: skip
+    preset = write(
+        tmp_path,
+        "run_uri: /x\nstages:\n  sft_b:\n    kind: sft"
+        + SFT.format(model="stage:sft_a")
+        + "\n  sft_a:\n    kind: sft"
+        + SFT.format(model="builtin:tiny"),
+    )
     cfg = load_config(preset, ["sft_b.optim.lr=1e-4"])
     assert cfg.order() == ["sft_a", "sft_b"]
     assert cfg.kind("sft_a") == cfg.kind("sft_b") == "sft"

@@ -12,9 +12,9 @@ import pytest
 from bench.startup import first_step_offset
 from rlhf_core.config import StrategyConfig, load_config
 from rlhf_core.distributed import launcher
-from rlhf_core.distributed.rollout_engine import cpu_kv_cache_bytes
+from rlhf_core.distributed.placement import RoleSet, resource_demand
+from rlhf_core.distributed.rollout.vllm_engine import cpu_kv_cache_bytes
 from rlhf_core.jobs.common import ray_cpus
-from rlhf_core.jobs.ppo import resource_demand
 from tests.conftest import ROOT, TINY
 
 
@@ -67,7 +67,8 @@ ONE_RAY = """
 import os
 import ray
 from rlhf_core.distributed import launcher
-from rlhf_core.distributed.rollout_engine import cpu_kv_cache_bytes
+from rlhf_core.distributed.placement import RoleSet, resource_demand
+from rlhf_core.distributed.rollout.vllm_engine import cpu_kv_cache_bytes
 
 cores = os.cpu_count() or 1
 with launcher.one_ray(min_cpus=cores + 1):  # nothing inside needs Ray: nothing starts
@@ -88,8 +89,14 @@ print("ok")
 
 def _python(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
@@ -181,7 +188,8 @@ def test_ray_cpus_of_each_kind_is_what_its_job_asks_init_ray_for():
     assert ray_cpus(cfg.stage("reward_model")) == 1.0
     assert ray_cpus(cfg.stage("critic_init")) is None  # no Ray
     for stage in ("critic_warmup", "ppo"):
-        assert ray_cpus(cfg.stage(stage)) == resource_demand(cfg.stage(stage), "cpu")["CPU"]
+        p = cfg.stage(stage)
+        assert ray_cpus(p) == resource_demand(p, RoleSet.of(p), "cpu")["CPU"]
 
 
 def test_bench_reads_the_first_step_from_old_and_new_output():

@@ -23,16 +23,18 @@ def test_deliberately_slow():
 
 
 def guard(limit_s: int, *command: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([str(GUARD), str(limit_s), "the suite", *command], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [str(GUARD), str(limit_s), "the suite", *command], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slow  # a pytest run held past its limit
 def test_a_deliberately_slowed_run_is_stopped_and_fails_with_the_limit_named(tmp_path):
     (tmp_path / "test_slow.py").write_text(SLOW_SUITE)
     start = time.monotonic()
-    out = guard(8, sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--durations=5", str(tmp_path),
-                cwd=tmp_path)  # fmt: skip
+    out = guard(
+        8, sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--durations=5", str(tmp_path), cwd=tmp_path
+    )
     assert time.monotonic() - start < 40  # stopped at the limit, not after the 60 s sleep
     assert out.returncode == 1
     message = [line for line in out.stderr.splitlines() if line.startswith("time limit:")]

@@ -30,9 +30,14 @@ def test_summary_and_phase_rows():
     ]
     summary = timing.summarize(history)
     assert summary == {
-        "timing/generation_s_mean": 2.0, "timing/generation_s_total": 4.0, "timing/train_s_mean": 1.0,
-        "timing/train_s_total": 2.0, "timing/step_s_mean": 4.0, "timing/step_s_total": 8.0, "timing/steps": 2.0,
-    }  # fmt: skip
+        "timing/generation_s_mean": 2.0,
+        "timing/generation_s_total": 4.0,
+        "timing/train_s_mean": 1.0,
+        "timing/train_s_total": 2.0,
+        "timing/step_s_mean": 4.0,
+        "timing/step_s_total": 8.0,
+        "timing/steps": 2.0,
+    }
     assert timing.summarize([{"step": 1, "loss": 1.0}]) == {}
     rows = timing.phase_rows({"steps": 2, "kl": 0.2, **summary})
     assert rows == [
@@ -56,8 +61,12 @@ def test_wait_timed_gives_each_group_its_time_to_completion(ray_cluster):
     # machine) would otherwise land on whichever group got the new worker
     ray.get([nap.remote(0.3, 0) for _ in range(3)])
     started = time.perf_counter()
-    groups = {"slow": [nap.remote(2.0, 1), nap.remote(0.1, 2)], "fast": [nap.remote(0.1, 3)], "none": [],
-              "local": [4, 5]}  # fmt: skip
+    groups = {
+        "slow": [nap.remote(2.0, 1), nap.remote(0.1, 2)],
+        "fast": [nap.remote(0.1, 3)],
+        "none": [],
+        "local": [4, 5],
+    }
     results, seconds = launcher.wait_timed(groups, started)
     assert results == {"slow": [1, 2], "fast": [3], "none": [], "local": [4, 5]}
     assert seconds["slow"] >= 2.0 and seconds["fast"] < seconds["slow"] and seconds["none"] == 0.0

@@ -13,6 +13,7 @@ import pytest
 from rlhf_core import tracking
 from rlhf_core.config import ConfigError, load_config, stage_hash, to_yaml
 from rlhf_core.jobs import common
+from rlhf_core.run_layout import open_store
 from rlhf_core.storage import ObjectStore
 from tests.conftest import TINY
 
@@ -25,7 +26,7 @@ def cfg_for(run_uri, *overrides):
 
 def run_stage(cfg, stage="sft", steps=STEPS, fail=False):
     """Open the stage's trackers as a job does, log ``steps``, close them (as failed when ``fail``)."""
-    spec = tracking.spec_for(cfg, stage, common.open_store(cfg))
+    spec = tracking.spec_for(cfg, stage, open_store(cfg))
     with pytest.raises(RuntimeError) if fail else contextlib.nullcontext(), tracking.Tracker(spec) as tracker:
         for step, metrics in steps:
             tracker.log(step, metrics)
@@ -84,7 +85,7 @@ def _read_wandb_file(run_file: Path) -> list:
 
 def test_tracking_is_off_by_default_and_outside_the_stage_hash(tmp_path):
     off, on = cfg_for(tmp_path), cfg_for(tmp_path, "tracking.tensorboard=true", "tracking.mlflow.experiment=x")
-    assert tracking.enabled(off.tracking) == [] and tracking.spec_for(off, "sft", common.open_store(off)) is None
+    assert tracking.enabled(off.tracking) == [] and tracking.spec_for(off, "sft", open_store(off)) is None
     assert tracking.enabled(on.tracking) == ["tensorboard", "mlflow"]
     assert stage_hash(off.stage("sft")) == stage_hash(on.stage("sft"))
 
@@ -108,14 +109,22 @@ def test_bad_tracking_keys_are_refused_by_name(tmp_path, override, match):
         cfg_for(tmp_path, override)
 
 
-@pytest.mark.parametrize(("key", "override", "package"), [("tensorboard", "tracking.tensorboard=true", "tensorboard"),
-                         ("mlflow", "tracking.mlflow.experiment=x", "mlflow-skinny"),
-                         ("wandb", "tracking.wandb.project=p", "wandb")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "override", "package"),
+    [
+        ("tensorboard", "tracking.tensorboard=true", "tensorboard"),
+        ("mlflow", "tracking.mlflow.experiment=x", "mlflow-skinny"),
+        ("wandb", "tracking.wandb.project=p", "wandb"),
+    ],
+)
 def test_a_tracker_without_its_package_is_refused_before_any_worker(tmp_path, monkeypatch, key, override, package):
     monkeypatch.setitem(sys.modules, tracking.PACKAGES[key][0], None)  # as if not installed
     cfg = cfg_for(tmp_path, override)
-    with pytest.raises(ConfigError, match=rf"'tracking.{key}' is set but the {package} package is not installed: "
-                       rf"pip install {package}"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=rf"'tracking.{key}' is set but the {package} package is not installed: "
+        rf"pip install {package}",
+    ):
         common.setup_stage(cfg, "sft")
 
 
@@ -181,8 +190,11 @@ def test_wandb_offline_run_folder_holds_config_and_metrics(tmp_path):
     assert (run.project, run.display_name) == ("proj", "exp1/sft")
     config = {item.key or "/".join(item.nested_key): item.value_json for item in run.config.update}
     assert config["optim.lr"] == '"0.003"'
-    history = [{i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
-               for r in records if r.HasField("history")]  # fmt: skip
+    history = [
+        {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+        for r in records
+        if r.HasField("history")
+    ]
     assert [(h["_step"], float(h["loss"])) for h in history] == [("1", 2.0), ("2", 1.5)]
     exit_records = [r.exit for r in records if r.HasField("exit")]
     assert exit_records and exit_records[-1].exit_code == 0
@@ -212,7 +224,7 @@ def test_a_tracker_failing_mid_run_is_dropped_and_the_others_go_on(tmp_path):
     cfg = cfg_for(
         tmp_path / "run", "tracking.tensorboard=true", f"tracking.mlflow.tracking_uri=sqlite:///{tmp_path}/m.db"
     )
-    spec = tracking.spec_for(cfg, "sft", common.open_store(cfg))
+    spec = tracking.spec_for(cfg, "sft", open_store(cfg))
     tracker = tracking.Tracker(spec)
     assert [logger.key for logger in tracker.loggers] == ["tensorboard", "mlflow"]
     tracker.log(1, {"loss": 2.0})
@@ -228,9 +240,14 @@ def test_a_tracker_failing_mid_run_is_dropped_and_the_others_go_on(tmp_path):
 
 
 def test_params_redact_storage_and_reward_server_secrets(tmp_path):
-    cfg = cfg_for(tmp_path / "run", "tracking.tensorboard=true", "storage.key=AKIA-probe", "storage.secret=sekrit",
-                  "ppo.remote_rm_url=http://u:tok3n@127.0.0.1:1/score")  # fmt: skip
-    spec = tracking.spec_for(cfg, "ppo", common.open_store(cfg))
+    cfg = cfg_for(
+        tmp_path / "run",
+        "tracking.tensorboard=true",
+        "storage.key=AKIA-probe",
+        "storage.secret=sekrit",
+        "ppo.remote_rm_url=http://u:tok3n@127.0.0.1:1/score",
+    )
+    spec = tracking.spec_for(cfg, "ppo", open_store(cfg))
     flat = " ".join(f"{k}={v}" for k, v in spec.params.items())
     assert "tok3n" not in flat and "sekrit" not in flat and "AKIA-probe" not in flat
     assert spec.params["remote_rm_url"] == "http://127.0.0.1:1/score"

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("gae", "reinforce++", "reinforce++_baseline", "grpo", "rloo", "dr_grpo")
-GROUP_ESTIMATORS = ("reinforce++_baseline", "grpo", "rloo", "dr_grpo")  # compare the samples of a prompt: n >= 2
+from .vocab import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, AdvantageEstimator
 
 
 def _known(estimator: str) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
 
 
-def whitens(estimator: str, whiten_advantages: bool) -> bool:
+def whitens(estimator: AdvantageEstimator, whiten_advantages: bool) -> bool:
     """Whether the advantages are whitened over the whole rollout batch (all ranks) before the policy loss: GAE when
     ``whiten_advantages``; REINFORCE++ and REINFORCE++-baseline always (their normalisation is global); GRPO, RLOO
     and Dr. GRPO never (theirs is within the group)."""
@@ -40,7 +39,9 @@ def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.double().view(-1, group_size)
 
 
-def shape_scores(scores: torch.Tensor, group_size: int, estimator: str, eps: float = 1e-9) -> torch.Tensor:
+def shape_scores(
+    scores: torch.Tensor, group_size: int, estimator: AdvantageEstimator, eps: float = 1e-9
+) -> torch.Tensor:
     """Each sequence's reward as the estimator uses it.
 
     gae, reinforce++: r unchanged. reinforce++_baseline, dr_grpo: r - mean(group). grpo: (r - mean(group)) /
@@ -50,14 +51,16 @@ def shape_scores(scores: torch.Tensor, group_size: int, estimator: str, eps: flo
     Args:
         scores: (B,) rewards, B = prompts x ``group_size``, the samples of a prompt consecutive.
         group_size: samples per prompt n (>= 2 for the group estimators).
-        estimator: one of :data:`ESTIMATORS`.
+        estimator: one of :data:`ADVANTAGE_ESTIMATORS`.
     Returns:
         (B,) in the dtype of ``scores`` (computed in float64).
     """
     _known(estimator)
     if estimator in GROUP_ESTIMATORS and group_size < 2:
-        raise ValueError(f"advantage estimator {estimator!r} compares the samples of a prompt: it needs "
-                         f"n_samples_per_prompt >= 2, got {group_size}")  # fmt: skip
+        raise ValueError(
+            f"advantage estimator {estimator!r} compares the samples of a prompt: it needs "
+            f"n_samples_per_prompt >= 2, got {group_size}"
+        )
     if estimator in ("gae", "reinforce++"):
         return scores.clone()
     g = _groups(scores, group_size)

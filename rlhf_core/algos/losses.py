@@ -136,9 +136,13 @@ def _chunk_logprobs_entropy(
 
 
 def chunked_token_logprobs(
-    hidden: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
-    temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(target) for the chosen positions only, ``chunk_size`` positions at a time: logits = ``head(hidden)``,
     log p = logit[target] - logsumexp(logits), the same as ``log_softmax(logits)[target]`` (as
     :func:`token_logprobs`) without ever holding more than one chunk's (chunk_size, V) fp32 logits. With autograd

@@ -11,15 +11,14 @@ from collections.abc import Callable
 import torch
 
 from .losses import last_token_index, masked_mean, masked_sum
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from .vocab import KL_ESTIMATORS, LOSS_AGGREGATIONS, KLEstimator, LossAggregation
 
 
 def approx_kl(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     action_mask: torch.Tensor | None = None,
-    estimator: str = "k1",
+    estimator: KLEstimator = "k1",
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled tokens, with d = logprobs - ref_logprobs.
 
@@ -205,9 +204,6 @@ def distributed_masked_whiten(
     return _whiten_from_sums(x, mask, sums, shift_mean, divide_std, eps)
 
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
-
-
 def policy_loss_tokens(
     pi_logprobs: torch.Tensor,
     pi_old_logprobs: torch.Tensor,
@@ -269,7 +265,7 @@ def policy_loss_tokens(
 def aggregate_loss(
     loss_t: torch.Tensor,
     action_mask: torch.Tensor,
-    mode: str = "token_mean",
+    mode: LossAggregation = "token_mean",
     num_tokens: float | torch.Tensor | None = None,
     num_sequences: float | torch.Tensor | None = None,
     norm_len: float | None = None,
@@ -345,7 +341,7 @@ def kl_loss_tokens(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     action_mask: torch.Tensor,
-    estimator: str = "k3",
+    estimator: KLEstimator = "k3",
     old_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) as a loss term (GRPO's kl_mode=loss), with its gradient through ``logprobs``.

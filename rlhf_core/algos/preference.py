@@ -30,8 +30,10 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, average:
         (B,).
     """
     if token_logprobs.shape != mask.shape:
-        raise ValueError(f"token_logprobs and mask must have the same shape, got {tuple(token_logprobs.shape)} "
-                         f"and {tuple(mask.shape)}")  # fmt: skip
+        raise ValueError(
+            f"token_logprobs and mask must have the same shape, got {tuple(token_logprobs.shape)} "
+            f"and {tuple(mask.shape)}"
+        )
     if average:
         return masked_mean(token_logprobs, mask, dim=-1)
     return masked_sum(token_logprobs, mask, dim=-1)
@@ -194,8 +196,9 @@ def kto_loss(
     if undesirable_weight < 0:
         raise ValueError(f"undesirable_weight must be >= 0, got {undesirable_weight}")
     if desirable.shape != policy_logps.shape:
-        raise ValueError(f"desirable must have the shape of policy_logps {tuple(policy_logps.shape)}, "
-                         f"got {tuple(desirable.shape)}")  # fmt: skip
+        raise ValueError(
+            f"desirable must have the shape of policy_logps {tuple(policy_logps.shape)}, got {tuple(desirable.shape)}"
+        )
     if kl is None:
         if policy_kl_logps is None or ref_kl_logps is None:
             raise ValueError("policy_kl_logps and ref_kl_logps are required when kl is not given")

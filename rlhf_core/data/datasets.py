@@ -21,9 +21,15 @@ FORMATS = ("jsonl", "parquet")
 
 
 def write_dataset(
-    store: ObjectStore, stage: str, rows: list[dict], fmt: str, *, config_hash: str, metrics: dict | None = None,
+    store: ObjectStore,
+    stage: str,
+    rows: list[dict],
+    fmt: str,
+    *,
+    config_hash: str,
+    metrics: dict | None = None,
     extra: dict | None = None,
-) -> Manifest:  # fmt: skip
+) -> Manifest:
     """Write ``rows`` as ``<stage>/data.<fmt>`` and commit it (manifest last, the old output removed first)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown dataset format {fmt!r}: choose one of {', '.join(FORMATS)}")

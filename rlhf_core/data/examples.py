@@ -224,12 +224,14 @@ def preference_examples(
     _warn_truncated(source, truncated, len(pairs), cfg.max_len)
     out = []
     for (_, cp, cr), (_, rp, rr) in pairs:
-        out.append({
-            "chosen_ids": (cp + cr)[: cfg.max_len],
-            "rejected_ids": (rp + rr)[: cfg.max_len],
-            "chosen_prompt_len": len(cp),
-            "rejected_prompt_len": len(rp),
-        })  # fmt: skip
+        out.append(
+            {
+                "chosen_ids": (cp + cr)[: cfg.max_len],
+                "rejected_ids": (rp + rr)[: cfg.max_len],
+                "chosen_prompt_len": len(cp),
+                "rejected_prompt_len": len(rp),
+            }
+        )
     return out
 
 
@@ -304,13 +306,15 @@ def kto_examples(
                 f"{source}: every example has the same prompt; KTO needs at least two distinct prompts "
                 "(its KL reference point pairs each prompt with another prompt's response)"
             )
-        out.append({
-            "input_ids": (prompt_ids + response_ids)[: cfg.max_len],
-            "prompt_len": len(prompt_ids),
-            "desirable": desirable,
-            "kl_ids": (prompt_ids + items[j % n][2])[: cfg.max_len],
-            "kl_prompt_len": len(prompt_ids),
-        })  # fmt: skip
+        out.append(
+            {
+                "input_ids": (prompt_ids + response_ids)[: cfg.max_len],
+                "prompt_len": len(prompt_ids),
+                "desirable": desirable,
+                "kl_ids": (prompt_ids + items[j % n][2])[: cfg.max_len],
+                "kl_prompt_len": len(prompt_ids),
+            }
+        )
     return out
 
 
@@ -321,9 +325,12 @@ def pad_right(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
 
 
 def prompt_examples(
-    cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None,
+    cfg: DataConfig,
+    tokenizer: Any,
+    split: str = "train",
+    storage_options: dict | None = None,
     max_rows: int | None = None,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """[{'prompt_ids', 'prompt'}] for RL: the rendered prompt's ids and the raw prompt value."""
     source, rows = _rows(cfg, split, storage_options)
     if max_rows is not None:

@@ -93,10 +93,15 @@ def select_pairs(
         if scores[best] == scores[worst] or chosen == rejected:
             skipped += 1
             continue
-        out.append({
-            "prompt": rows[best][prompt_key], "chosen": chosen, "rejected": rejected,
-            "chosen_score": float(scores[best]), "rejected_score": float(scores[worst]),
-        })  # fmt: skip
+        out.append(
+            {
+                "prompt": rows[best][prompt_key],
+                "chosen": chosen,
+                "rejected": rejected,
+                "chosen_score": float(scores[best]),
+                "rejected_score": float(scores[worst]),
+            }
+        )
     return out, skipped
 
 
@@ -115,9 +120,14 @@ def selection_metrics(
     mean = _mean(scores)
     std = math.sqrt(_mean([(s - mean) ** 2 for s in scores])) if scores else float("nan")
     metrics: dict[str, Any] = {
-        "rows_in": len(rows), "rows_out": len(out), "prompts": len(groups), "score_mean": mean, "score_std": std,
-        "score_best_mean": _mean([max(scores[i] for i in g) for g in groups]), "prompts_dropped": dropped,
-    }  # fmt: skip
+        "rows_in": len(rows),
+        "rows_out": len(out),
+        "prompts": len(groups),
+        "score_mean": mean,
+        "score_std": std,
+        "score_best_mean": _mean([max(scores[i] for i in g) for g in groups]),
+        "prompts_dropped": dropped,
+    }
     if select == "pairs":
         metrics["margin_mean"] = _mean([r["chosen_score"] - r["rejected_score"] for r in out])
     return metrics

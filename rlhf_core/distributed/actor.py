@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,18 +15,26 @@ from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.losses import masked_mean
 from rlhf_core.algos.ppo import aggregate_loss, distributed_masked_whiten, kl_loss_tokens, policy_loss_tokens
 from rlhf_core.distributed.role_base import TrainableRole, WindowNorm, logprob_temperature
-from rlhf_core.distributed.weight_sync import dtype_name
+from rlhf_core.distributed.weight_sync.buckets import dtype_name
 from rlhf_core.models.builders import build_causal_lm
 from rlhf_core.models.forward import causal_lm_logprobs
+
+if TYPE_CHECKING:
+    from rlhf_core.distributed.rollout.group import EngineHandles
 
 
 def _logprobs(model: Any, batch: SequenceBatch, temperature: float, pack: bool, with_entropy: bool = False) -> Any:
     """(N, T-1) log-probs of the action tokens (0 elsewhere): packed, chosen tokens only (``models.forward``);
     ``with_entropy``: (log-probs, entropies), both (N, T-1)."""
     return causal_lm_logprobs(
-        model, batch.input_ids, batch.attention_mask, batch.action_mask,
-        temperature=logprob_temperature(temperature), pack=pack, with_entropy=with_entropy,
-    )  # fmt: skip
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        batch.action_mask,
+        temperature=logprob_temperature(temperature),
+        pack=pack,
+        with_entropy=with_entropy,
+    )
 
 
 class PolicyActor(TrainableRole):
@@ -68,9 +76,15 @@ class PolicyActor(TrainableRole):
             else:
                 logp, entropy = _logprobs(model, micro, temperature, pack), None
             loss_t, stats = policy_loss_tokens(
-                logp, micro.old_logprobs, micro.advantages, mask, a.eps_clip, a.eps_clip_high, a.dual_clip,
+                logp,
+                micro.old_logprobs,
+                micro.advantages,
+                mask,
+                a.eps_clip,
+                a.eps_clip_high,
+                a.dual_clip,
                 micro.is_weights,
-            )  # fmt: skip
+            )
             if kl_loss:
                 old = micro.old_logprobs if a.kl_loss_unbiased else None
                 kl_t = kl_loss_tokens(logp, micro.ref_logprobs, mask, a.kl_estimator, old_logprobs=old)
@@ -79,8 +93,14 @@ class PolicyActor(TrainableRole):
             if entropy is not None:
                 loss_t = loss_t - a.entropy_coef * entropy
                 stats["entropy"] = masked_mean(entropy.detach(), mask).item()
-            loss = aggregate_loss(loss_t, mask, a.loss_agg, num_tokens=norm.tokens, num_sequences=norm.sequences,
-                                  norm_len=self.ctx.max_new_tokens)  # fmt: skip
+            loss = aggregate_loss(
+                loss_t,
+                mask,
+                a.loss_agg,
+                num_tokens=norm.tokens,
+                num_sequences=norm.sequences,
+                norm_len=self.ctx.max_new_tokens,
+            )
             return loss, stats
 
         stats = self.train_epochs(exp, step, loss_fn)
@@ -88,43 +108,22 @@ class PolicyActor(TrainableRole):
 
     # -- weight push to the rollout engines ---------------------------------------------------------------------------
     def connect_engines(
-        self, engines: list[Any], use_collective: bool, backend: str = "gloo", bucket_mb: float = 1024
+        self, engines: EngineHandles, use_collective: bool, backend: str = "gloo", bucket_mb: float = 1024
     ) -> None:
-        """Join a weight-sync group with every engine worker over ``backend`` (already resolved: gloo, nccl or
-        cuda_ipc; see ``weight_sync``) in buckets of ``bucket_mb`` MiB. gloo/nccl: rank 0 sends, the other ranks only
-        help gather. cuda_ipc: each rank with an engine worker on its GPU sends to it (rank r to worker r + 1)."""
-        from rlhf_core.distributed.rollout_engine import connect_weight_sync
-        from rlhf_core.distributed.weight_sync import MIB, WeightSender
-        from rlhf_core.ports import free_port
+        """Join the weight sync with every engine worker over ``backend`` (already resolved: gloo, nccl or cuda_ipc)
+        in buckets of ``bucket_mb`` MiB; which ranks send is ``weight_sync.sender.connect_rank``'s business. Without
+        ``use_collective`` (HF engines) ``push_weights`` sends a state dict instead."""
+        from rlhf_core.distributed.weight_sync.buckets import MIB
+        from rlhf_core.distributed.weight_sync.sender import connect_rank
 
         self.engines = engines
         self.sender = None
         self.bucket_bytes = int(bucket_mb * MIB)
-        self.sync_backend = backend
-        if not use_collective:
-            return
-        rank = self.strategy.rank
-        if backend != "cuda_ipc":
-            if rank == 0:
-                self.sender = connect_weight_sync(engines, backend=backend, bucket_mb=bucket_mb)
-            return
-        import ray
-
-        where = None
-        if rank == 0:
-            sizes = ray.get([e.num_workers.remote() for e in engines])
-            where = (ray.util.get_node_ip_address(), free_port(), 1 + sum(sizes))
-        addr, port, world_size = self.strategy.broadcast_object(where)
-        if world_size - 1 > self.strategy.world_size:
-            raise ValueError(f"cuda_ipc weight sync: {world_size - 1} engine workers but {self.strategy.world_size} "
-                             "actor ranks; each worker needs the actor rank on its GPU (colocate_all)")  # fmt: skip
-        if rank == 0:
-            self.sender = connect_weight_sync(engines, backend=backend, bucket_mb=bucket_mb, master_addr=addr,
-                                              master_port=port)  # fmt: skip
-        elif rank < world_size - 1:
-            self.sender = WeightSender(addr, port, world_size, backend=backend, bucket_bytes=self.bucket_bytes,
-                                       actor_rank=rank)  # fmt: skip
-            self.sender.check_peer()
+        if use_collective:
+            s = self.strategy
+            self.sender = connect_rank(
+                engines, s.rank, s.world_size, s.broadcast_object, backend=backend, bucket_mb=bucket_mb
+            )
 
     def _param_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """Every parameter's full spec (ZeRO-3: from ``ds_shape``, the shape before partitioning)."""
@@ -154,8 +153,8 @@ class PolicyActor(TrainableRole):
         """Collective over the actor ranks: send every parameter to the engines. Returns rank 0's sync metrics
         (``weight_sync_s``: seconds of the whole push, ``weight_sync_buckets``, ``weight_sync_broadcasts``:
         transfers, one per bucket, ``weight_sync_mib``); other ranks return {}."""
-        from rlhf_core.distributed.rollout_engine import sync_weights
-        from rlhf_core.distributed.weight_sync import bucket_plan
+        from rlhf_core.distributed.weight_sync.buckets import bucket_plan
+        from rlhf_core.distributed.weight_sync.sender import sync_weights
 
         start = time.perf_counter()
         specs = self._param_specs()
@@ -172,7 +171,10 @@ class PolicyActor(TrainableRole):
             # Compact copies: a ZeRO-2 parameter is a view into DeepSpeed's flat buffer, and a pickled view carries
             # the whole buffer (ZeRO-3's gathered tensors are released after their bucket).
             sync_weights(None, self.engines, ((n, t.clone()) for n, t in named))
-            return {"weight_sync_s": time.perf_counter() - start, "weight_sync_buckets": 0,
-                    "weight_sync_broadcasts": 0}  # fmt: skip
+            return {
+                "weight_sync_s": time.perf_counter() - start,
+                "weight_sync_buckets": 0,
+                "weight_sync_broadcasts": 0,
+            }
         sync_weights(self.sender, self.engines, named, specs=specs, bucket_bytes=self.bucket_bytes)
         return {**self.sender.stats(), "weight_sync_s": time.perf_counter() - start}

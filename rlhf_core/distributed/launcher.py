@@ -20,7 +20,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast
 
 from rlhf_core import events
 from rlhf_core.config import ConfigError, StrategyConfig
@@ -57,8 +57,9 @@ def init_ray(min_cpus: float = 1) -> bool:
     else:
         cpus = max(float(os.cpu_count() or 1), min_cpus, _one_ray["min_cpus"])
         # address="local": a new Ray for this job even when another one runs on the machine
-        ray.init(address="local", num_cpus=int(-(-cpus // 1)), include_dashboard=False, runtime_env=env,
-                 log_to_driver=True)  # fmt: skip
+        ray.init(
+            address="local", num_cpus=int(-(-cpus // 1)), include_dashboard=False, runtime_env=env, log_to_driver=True
+        )
     if _one_ray["active"]:
         _one_ray["started"] = True
         return False
@@ -200,9 +201,15 @@ class RayWorkerGroup(Generic[T]):
     """
 
     def __init__(
-        self, cfg: StrategyConfig, factory: type[T], *args: Any, name: str = "worker", placement: Any = None,
-        share: float = 1.0, **kwargs: Any,
-    ):  # fmt: skip
+        self,
+        cfg: StrategyConfig,
+        factory: type[T],
+        *args: Any,
+        name: str = "worker",
+        placement: Any = None,
+        share: float = 1.0,
+        **kwargs: Any,
+    ):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -212,14 +219,18 @@ class RayWorkerGroup(Generic[T]):
         gpus = share if device == "cuda" else 0
         remote_shell = ray.remote(_Shell)
         base_env = {"RLHF_DEVICE": device, "TOKENIZERS_PARALLELISM": "false"}
-        if events.events_path() is not None:  # rank-0 workers append their own step events
-            base_env[events.EVENTS_ENV] = events.events_path()
+        events_file = events.events_path()
+        if events_file is not None:  # rank-0 workers append their own step events
+            base_env[events.EVENTS_ENV] = events_file
         self.actors: list[Any] = []
         tag = uuid.uuid4().hex[:8]
         for rank in range(cfg.num_workers):
             # named after the role: `ray list actors` and the dashboard show which actor is which (PolicyActor:0:...)
-            options: dict[str, Any] = {"num_cpus": cfg.cpus_per_worker, "num_gpus": gpus,
-                                       "name": f"{factory.__name__}:{rank}:{tag}"}  # fmt: skip
+            options: dict[str, Any] = {
+                "num_cpus": cfg.cpus_per_worker,
+                "num_gpus": gpus,
+                "name": f"{factory.__name__}:{rank}:{tag}",
+            }
             if cfg.resources and placement is None:  # pinned to the nodes that have them (in a bundle: its node)
                 options["resources"] = dict(cfg.resources)
             if placement is not None:
@@ -313,7 +324,7 @@ def release_group(group: Any) -> None:
 
 
 class Fits(Protocol):
-    """A class whose instances train with ``fit()`` (e.g. ``SupervisedTrainer``)."""
+    """A class whose instances train with ``fit()`` (e.g. ``jobs.sft.SFTTrainer``)."""
 
     def fit(self) -> Any: ...
 
@@ -353,7 +364,7 @@ def wait(refs: list[Ref[R]]) -> list[R]:
 def cluster_resources() -> dict[str, float]:
     import ray
 
-    return ray.cluster_resources()
+    return cast(dict[str, float], ray.cluster_resources())  # inferred from Ray as int; the amounts are floats
 
 
 def node_resources() -> list[dict[str, float]]:
@@ -374,8 +385,10 @@ def check_resources(groups: dict[str, tuple[int, float, dict[str, float]]], node
     for key, (workers, cpus_per_worker, resources) in groups.items():
         for name, amount in resources.items():
             if name in ("CPU", "GPU"):
-                raise ConfigError(f"'{key}' names {name}: Ray sets CPUs and GPUs per worker itself (cpus_per_worker, "
-                                  "devices); use custom resources here, e.g. {node_a: 1}")  # fmt: skip
+                raise ConfigError(
+                    f"'{key}' names {name}: Ray sets CPUs and GPUs per worker itself (cpus_per_worker, "
+                    "devices); use custom resources here, e.g. {node_a: 1}"
+                )
             if amount <= 0:
                 raise ConfigError(f"invalid value {amount!r} for '{key}.{name}': must be > 0")
             demand[name] = demand.get(name, 0.0) + workers * amount
@@ -386,14 +399,19 @@ def check_resources(groups: dict[str, tuple[int, float, dict[str, float]]], node
         have, cpus_there = sum(n[name] for n in holders), sum(n.get("CPU", 0) for n in holders)
         keys = ", ".join(f"'{k}'" for k in askers[name])
         if not holders:
-            raise ConfigError(f"{keys} ask for Ray resource {name!r}, which no node of the cluster has (start a node "
-                              f"with ray start --resources='{{\"{name}\": N}}', or change {keys})")  # fmt: skip
+            raise ConfigError(
+                f"{keys} ask for Ray resource {name!r}, which no node of the cluster has (start a node "
+                f"with ray start --resources='{{\"{name}\": N}}', or change {keys})"
+            )
         if needed > have:
-            raise ConfigError(f"{keys} ask for {needed:g} {name!r} in all (workers x amount) but the cluster has "
-                              f"{have:g}")  # fmt: skip
+            raise ConfigError(
+                f"{keys} ask for {needed:g} {name!r} in all (workers x amount) but the cluster has {have:g}"
+            )
         if cpus[name] > cpus_there:
-            raise ConfigError(f"{keys}: the workers pinned to {name!r} need {cpus[name]:g} CPU but the nodes with "
-                              f"{name!r} have {cpus_there:g}")  # fmt: skip
+            raise ConfigError(
+                f"{keys}: the workers pinned to {name!r} need {cpus[name]:g} CPU but the nodes with "
+                f"{name!r} have {cpus_there:g}"
+            )
 
 
 def shutdown_ray() -> None:

@@ -115,8 +115,10 @@ def fetch(ref: StageModel, root: Path) -> str:
                 shutil.rmtree(partial, ignore_errors=True)
             seconds = time.perf_counter() - started
             _log(root, "download", ref, final, files=len(manifest.files), seconds=round(seconds, 3))
-            print(f"[node-cache] {store.uri(ref.rel)} -> {final} ({len(manifest.files)} files, {seconds:.1f}s)",
-                  flush=True)  # fmt: skip
+            print(
+                f"[node-cache] {store.uri(ref.rel)} -> {final} ({len(manifest.files)} files, {seconds:.1f}s)",
+                flush=True,
+            )
         _log(root, "use", ref, final)
     return str(final)
 
@@ -150,7 +152,14 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _log(root: Path, event: str, ref: StageModel, path: Path, **extra: object) -> None:
-    line = {"event": event, "rel": ref.rel, "content_hash": ref.content_hash, "pid": os.getpid(), "path": str(path),
-            "time": time.time(), **extra}  # fmt: skip
+    line = {
+        "event": event,
+        "rel": ref.rel,
+        "content_hash": ref.content_hash,
+        "pid": os.getpid(),
+        "path": str(path),
+        "time": time.time(),
+        **extra,
+    }
     with open(root / LOG_NAME, "a") as f:  # small appends under O_APPEND stay whole lines
         f.write(json.dumps(line) + "\n")

@@ -18,20 +18,33 @@ from rlhf_core.models.forward import causal_lm_logprobs
 
 class ReferencePolicy:
     def __init__(
-        self, model_path: str, micro_batch_size: int, precision: str, init_seed: int = 0, *,
-        temperature: float = 1.0, tokenizer_path: str | None = None, trust_remote_code: bool = False,
-        zero_stage: int = 0, offload: bool = False, packing: bool = True,
-    ):  # fmt: skip
+        self,
+        model_path: str,
+        micro_batch_size: int,
+        precision: str,
+        init_seed: int = 0,
+        *,
+        temperature: float = 1.0,
+        tokenizer_path: str | None = None,
+        trust_remote_code: bool = False,
+        zero_stage: int = 0,
+        offload: bool = False,
+        packing: bool = True,
+    ):
         model_path = local_model_path(model_path)  # a StageModel: this node's copy
         self.strategy = FrozenStrategy(zero_stage, offload, precision, micro_batch_size)
         tokenizer = load_tokenizer(model_path, tokenizer_path, trust_remote_code=trust_remote_code)
         attn = attn_implementation("auto", self.strategy.device.type)
         self.model = self.strategy.build(
             lambda: build_causal_lm(
-                model_path, tokenizer, seed=init_seed, dtype=self.strategy.dtype, attn=attn,
+                model_path,
+                tokenizer,
+                seed=init_seed,
+                dtype=self.strategy.dtype,
+                attn=attn,
                 trust_remote_code=trust_remote_code,
             )
-        )  # fmt: skip
+        )
         self.temperature = logprob_temperature(temperature)
         self.packing = packing
 
@@ -42,8 +55,12 @@ class ReferencePolicy:
 
         def fn(micro: SequenceBatch) -> torch.Tensor:
             return causal_lm_logprobs(
-                self.model, micro.input_ids, micro.attention_mask, micro.action_mask, temperature=self.temperature,
+                self.model,
+                micro.input_ids,
+                micro.attention_mask,
+                micro.action_mask,
+                temperature=self.temperature,
                 pack=self.packing,
-            )  # fmt: skip
+            )
 
         return self.strategy.map_micro(batch, fn)

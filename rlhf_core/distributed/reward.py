@@ -17,10 +17,18 @@ from rlhf_core.models.forward import scalar_values
 
 class RewardScorer:
     def __init__(
-        self, model_path: str, micro_batch_size: int, precision: str, *, tokenizer_path: str | None = None,
-        init_seed: int = 0, trust_remote_code: bool = False, zero_stage: int = 0, offload: bool = False,
+        self,
+        model_path: str,
+        micro_batch_size: int,
+        precision: str,
+        *,
+        tokenizer_path: str | None = None,
+        init_seed: int = 0,
+        trust_remote_code: bool = False,
+        zero_stage: int = 0,
+        offload: bool = False,
         packing: bool = True,
-    ):  # fmt: skip
+    ):
         model_path = local_model_path(model_path)  # a StageModel: this node's copy
         self.strategy = FrozenStrategy(zero_stage, offload, precision, micro_batch_size)
         self.packing = packing
@@ -29,11 +37,15 @@ class RewardScorer:
         self.model = self.strategy.build(
             lambda: ScalarHeadModel(
                 build_scalar_model(
-                    model_path, self.tokenizer, seed=init_seed, dtype=self.strategy.dtype, attn=attn,
+                    model_path,
+                    self.tokenizer,
+                    seed=init_seed,
+                    dtype=self.strategy.dtype,
+                    attn=attn,
                     trust_remote_code=trust_remote_code,
                 )
             )
-        )  # fmt: skip
+        )
 
     @torch.no_grad()
     def scores(self, batch: SequenceBatch) -> torch.Tensor:

@@ -16,9 +16,9 @@ from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.losses import window_loss_scale
 from rlhf_core.config import OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
 from rlhf_core.distributed import device
+from rlhf_core.distributed.checkpoints import export_hf, load_engine_shards, save_engine_shards
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
-from rlhf_core.distributed.trainer import export_hf, load_engine_shards, save_engine_shards
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
 from rlhf_core.storage import ObjectStore
 
@@ -136,11 +136,15 @@ class TrainableRole:
                 )
             # per window: [action tokens, sequences with an action token], summed over the ranks in one collective
             counts = torch.tensor(
-                [[sum(int(m.action_mask.sum()) for m in micros[w : w + gas]),
-                  sum(int((m.action_mask.sum(1) > 0).sum()) for m in micros[w : w + gas])]
-                 for w in range(0, len(micros), gas)],
+                [
+                    [
+                        sum(int(m.action_mask.sum()) for m in micros[w : w + gas]),
+                        sum(int((m.action_mask.sum(1) > 0).sum()) for m in micros[w : w + gas]),
+                    ]
+                    for w in range(0, len(micros), gas)
+                ],
                 dtype=torch.float64,
-            )  # fmt: skip
+            )
             s.all_reduce_sum(counts)
             windows += len(counts)
             for i, micro in enumerate(micros):
@@ -175,9 +179,14 @@ class TrainableRole:
         if self.strategy.rank == 0:
             local = export_hf(self.engine.module, weights, self.tokenizer, self.work / "export")
             self.store.put_artifact(
-                str(local), rel, stage=self.ctx.stage, config_hash=config_hash, metrics=metrics, extra=extra,
+                str(local),
+                rel,
+                stage=self.ctx.stage,
+                config_hash=config_hash,
+                metrics=metrics,
+                extra=extra,
                 clear=False,
-            )  # fmt: skip
+            )
         self.strategy.barrier()
 
     def trainable_state(self) -> dict[str, torch.Tensor] | None:
@@ -192,7 +201,7 @@ class TrainableRole:
     def offload_states(self) -> bool:
         """Move what only training needs (optimizer states, fp32 master weights, gradient buffers) to host memory,
         so that colocated rollout engines have the GPU memory; the weights the experience forwards use stay.
-        DeepSpeed's ``engine.offload_states`` exists for its ZeRO-1/2/3 optimizers only (``jobs.ppo.check_fits``
+        DeepSpeed's ``engine.offload_states`` exists for its ZeRO-1/2/3 optimizers only (``placement.check_fits``
         refuses ZeRO-0). On CPU the states already live in host memory: nothing moves, returns False."""
         if self.device.type != "cuda":
             return False

@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
-from rlhf_core import events, timing, tracking
+from rlhf_core import events, run_layout, timing, tracking
 from rlhf_core.config import (
     STAGE_PREFIX,
     ConfigError,
@@ -38,12 +38,20 @@ from rlhf_core.config import (
     stage_hash,
 )
 from rlhf_core.data.datasets import dataset_uri
+from rlhf_core.data.loading import DataError
 from rlhf_core.data.sampler import total_steps
+from rlhf_core.distributed.checkpoints import StageContext, newest_checkpoint
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
-from rlhf_core.distributed.trainer import StageContext, newest_checkpoint
-from rlhf_core.models.builders import check_model_source
-from rlhf_core.storage import ArtifactError, ObjectStore, check_location, one_line, redact, storage_options_for
+from rlhf_core.errors import first_line, one_line
+from rlhf_core.models.builders import ModelPathError
+from rlhf_core.models.checks import check_model_source
+from rlhf_core.run_layout import existing_output, open_store, upstream_hash
+from rlhf_core.storage import ArtifactError, ObjectStore, redact
 from rlhf_core.types import CheckpointRef
+
+# Bad input: a config key, a data row, a model folder or a storage location the user must fix. A job exits with
+# status 2 and one line (``exit_bad_input``), which the flow does not retry.
+BAD_INPUT = (ConfigError, DataError, ModelPathError, ArtifactError)
 
 
 def parse_args(kind: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +71,10 @@ def stage_of_kind(cfg: PipelineConfig, kind: str, name: str | None) -> str:
     """The instance to run: ``name`` (checked to be of ``kind``), else the config's only instance of ``kind``."""
     if name is not None:
         if cfg.kind(name) != kind:
-            raise ConfigError(f"stage '{name}' is of kind {cfg.kind(name)}, not {kind}: run it with "
-                              f"python -m rlhf_core.jobs.{cfg.kind(name)} --stage {name}")  # fmt: skip
+            raise ConfigError(
+                f"stage '{name}' is of kind {cfg.kind(name)}, not {kind}: run it with "
+                f"python -m rlhf_core.jobs.{cfg.kind(name)} --stage {name}"
+            )
         return name
     names = [n for n, spec in cfg.stages.items() if spec.kind == kind]
     if len(names) != 1:
@@ -86,12 +96,10 @@ def main(kind: str, run: Callable[[PipelineConfig, str], CheckpointRef], argv: l
     cause, the full traceback going to the job's log file (``RLHF_LOG_DIR``, default ``.rlhf/logs``). Credentials
     are redacted from both. The result also goes out as a ``result`` event (``rlhf_core.events``) for the launcher.
     """
-    from rlhf_core.data.loading import DataError
     from rlhf_core.lease import Lease
-    from rlhf_core.models.builders import ModelPathError
 
     args = parse_args(kind, argv)
-    stage, secrets = args.stage or kind, _env_secrets()
+    stage, secrets = args.stage or kind, env_secrets()
     previous = _stop_on_sigterm()
     watch = _watch_orchestrator(stage)
     try:
@@ -101,9 +109,8 @@ def main(kind: str, run: Callable[[PipelineConfig, str], CheckpointRef], argv: l
         lease = Lease(open_store(cfg, check=True), stage, on_lost=lambda why: _stop_self(stage, why))
         with lease:
             ref = run(cfg, stage)
-    except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
-        print(f"error: {redact(one_line(str(e)), secrets)}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except BAD_INPUT as e:
+        exit_bad_input(e, secrets)
     except Exception as e:  # noqa: BLE001 - a failure inside the job or its workers: one line, traceback to the log
         log = _write_traceback(stage, e, secrets)
         print(f"error: [{stage}] {redact(describe_failure(e), secrets)} (traceback: {log})", file=sys.stderr)
@@ -121,8 +128,15 @@ def main(kind: str, run: Callable[[PipelineConfig, str], CheckpointRef], argv: l
         print(f"[{stage}]   {key}: {value}")
 
 
-def _env_secrets() -> list[str | None]:
+def env_secrets() -> list[str | None]:
+    """The credentials in the environment, redacted from every error line and traceback a job writes."""
     return [os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
+
+
+def exit_bad_input(error: BaseException, secrets: list[str | None]) -> NoReturn:
+    """Exit with status 2 and the ``BAD_INPUT`` error as one line on stderr, ``secrets`` redacted."""
+    print(f"error: {redact(one_line(str(error)), secrets)}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def describe_failure(error: BaseException) -> str:
@@ -133,8 +147,7 @@ def describe_failure(error: BaseException) -> str:
         described = describe_worker_error(error)
         if described is not None:
             return described
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return first_line(error, limit=None)
 
 
 def _write_traceback(stage: str, error: BaseException, secrets: list[str | None]) -> str:
@@ -201,29 +214,19 @@ def ray_cpus(section: Any) -> float | None:
     runs without Ray (critic_init)."""
     if isinstance(section, PPOConfig):
         from rlhf_core.distributed.device import resolve_device
-        from rlhf_core.jobs.ppo import resource_demand
+        from rlhf_core.distributed.placement import RoleSet, resource_demand
 
-        return resource_demand(section, resolve_device(section.actor_strategy.device))["CPU"]
+        # The section does not say its kind: counted with a trained actor (a critic warm-up's reference too).
+        roles = RoleSet.of(section)
+        return resource_demand(section, roles, resolve_device(section.actor_strategy.device))["CPU"]
     if isinstance(section, GenerateConfig):  # the engines and, with a reference, two log-prob groups
-        from rlhf_core.jobs.generate import resource_groups
+        from rlhf_core.distributed.placement import generate_groups
 
-        return sum(n * cpus for n, cpus, _ in resource_groups("generate", section).values())
+        return sum(n * cpus for n, cpus, _ in generate_groups("generate", section).values())
     strategy = getattr(section, "strategy", None)
     if isinstance(strategy, StrategyConfig):  # sft, reward_model, dpo, kto, score: one group
         return strategy.num_workers * strategy.cpus_per_worker
     return None
-
-
-def open_store(cfg: PipelineConfig, *, check: bool = False) -> ObjectStore:
-    """The run's object store; a plain local ``run_uri`` is made absolute so that every worker writes to one place.
-    ``check``: first refuse a location that is of an unsupported scheme, unreachable within a bounded time, not
-    writable or an existing file (``storage.check_location``: StorageError, one line)."""
-    s = cfg.storage
-    uri = cfg.run_uri if "://" in cfg.run_uri else str(Path(cfg.run_uri).resolve())
-    options = storage_options_for(uri, endpoint_url=s.endpoint_url, key=s.key, secret=s.secret, region=s.region)
-    if check:
-        check_location(uri, options)
-    return ObjectStore(uri, options)
 
 
 _SCRATCH: list[str] = []  # this process's scratch folders, removed by remove_scratch
@@ -261,17 +264,6 @@ def remove_scratch() -> None:
         shutil.rmtree(_SCRATCH.pop(), ignore_errors=True)
 
 
-def upstream_hash(store: ObjectStore, path: str, key: str) -> dict[str, str]:
-    """{upstream stage: config hash} when ``path`` names an earlier stage (read from its manifest), else {}."""
-    if not path.startswith(STAGE_PREFIX):
-        return {}
-    name = path[len(STAGE_PREFIX) :]
-    try:
-        return {name: store.read_manifest(name, verify=False).config_hash}
-    except ArtifactError as e:
-        raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
-
-
 def resolve_model(
     store: ObjectStore, path: str, key: str, dest: str, trust_remote_code: bool = False, tokenizer: str | None = None
 ) -> tuple[str, ModelSource]:
@@ -288,20 +280,6 @@ def resolve_model(
         return local, ref
     check_model_source(path, key, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
     return path, path
-
-
-def committed_ref(store: ObjectStore, stage: str) -> CheckpointRef | None:
-    """The stage's committed output (verified manifest) as a reference, whatever config made it; else None."""
-    if not store.is_complete(stage):
-        return None
-    m = store.read_manifest(stage, verify=False)
-    return CheckpointRef(store.uri(stage), stage, int(m.metrics.get("steps", 0)), m.config_hash, m.metrics)
-
-
-def existing_output(store: ObjectStore, stage: str, config_hash: str) -> CheckpointRef | None:
-    """The stage's committed output when it was made with the same config hash (then there is nothing to do)."""
-    ref = committed_ref(store, stage)
-    return ref if ref is not None and ref.config_hash == config_hash else None
 
 
 @dataclass
@@ -330,13 +308,24 @@ class StageSetup:
     def context(self) -> StageContext:
         s = self.section
         return StageContext(
-            stage=self.stage, run_uri=self.store.root_uri, storage_options=self.store.fs.storage_options,
-            config_hash=self.config_hash, model_path=self.sources["model"], tokenizer_path=s.model.tokenizer,
-            init_seed=s.model.init_seed, trust_remote_code=s.model.trust_remote_code, strategy=s.strategy,
-            optim=s.optim, train=s.train, work_dir=self.work,
-            fail_after_step=fail_after_step(), upstream=self.upstream, job_started=timing.job_started(),
-            kind=self.kind, tracking=self.tracking,
-        )  # fmt: skip
+            stage=self.stage,
+            run_uri=self.store.root_uri,
+            storage_options=self.store.fs.storage_options,
+            config_hash=self.config_hash,
+            model_path=self.sources["model"],
+            tokenizer_path=s.model.tokenizer,
+            init_seed=s.model.init_seed,
+            trust_remote_code=s.model.trust_remote_code,
+            strategy=s.strategy,
+            optim=s.optim,
+            train=s.train,
+            work_dir=self.work,
+            fail_after_step=fail_after_step(),
+            upstream=self.upstream,
+            job_started=timing.job_started(),
+            kind=self.kind,
+            tracking=self.tracking,
+        )
 
 
 def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None = None) -> StageSetup:
@@ -415,8 +404,8 @@ def check_resumable(store: ObjectStore, stage: str, section: Any, config_hash: s
         if now != then:
             raise ConfigError(
                 f"'{stage}.{key}' = {now}, but the checkpoint to resume from ({store.uri(found[1])}) was written by "
-                f"{then} ranks: set {stage}.{key}={then} to resume, or delete {store.uri(f'{stage}/checkpoints')} to "
-                "start the stage over"
+                f"{then} ranks: set {stage}.{key}={then} to resume, or delete "
+                f"{store.uri(run_layout.checkpoints(stage))} to start the stage over"
             )
 
 

@@ -50,9 +50,14 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
         "reward_std": getattr(rm_config, "reward_std", None),
     }
     store.put_artifact(
-        str(out), stage, stage=stage, config_hash=st.config_hash, metrics=metrics, extra={"upstream": st.upstream},
+        str(out),
+        stage,
+        stage=stage,
+        config_hash=st.config_hash,
+        metrics=metrics,
+        extra={"upstream": st.upstream},
         clear=False,
-    )  # fmt: skip
+    )
     shutil.rmtree(work, ignore_errors=True)
     return CheckpointRef(store.uri(stage), stage, 0, st.config_hash, metrics)
 

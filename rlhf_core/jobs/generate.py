@@ -30,13 +30,15 @@ from typing import Any
 
 import torch
 
+from rlhf_core import run_layout
 from rlhf_core.config import ConfigError, GenerateConfig, PipelineConfig
 from rlhf_core.data.datasets import write_dataset
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.distributed.device import resolve_device
+from rlhf_core.distributed.placement import engine_kwargs, generate_groups
 from rlhf_core.jobs import common
-from rlhf_core.jobs.ppo import engine_kwargs, load_gold
 from rlhf_core.models.builders import BUILTIN_PREFIX, build_causal_lm, load_tokenizer
+from rlhf_core.rewards import load_gold
 from rlhf_core.types import CheckpointRef
 
 KIND = "generate"
@@ -47,21 +49,11 @@ def _prompt_text(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
 
 
-def resource_groups(stage: str, g: GenerateConfig) -> dict[str, tuple[int, float, dict[str, float]]]:
-    """{config key of the resources: (actors, CPUs each, custom resources each)} of the engines and, with a
-    reference, the two log-prob groups (policy and reference)."""
-    r, s = g.rollout, g.strategy
-    groups = {f"{stage}.rollout.resources": (r.num_engines, r.cpus_per_engine, r.resources)}
-    if g.reference is not None:
-        groups[f"{stage}.strategy.resources"] = (2 * s.num_workers, s.cpus_per_worker, s.resources)
-    return groups
-
-
 def check_fits(stage: str, g: GenerateConfig, available: dict[str, float], nodes: list[dict[str, float]]) -> None:
     """Refuse what the Ray cluster cannot place, naming the keys, before any actor starts."""
     from rlhf_core.distributed import launcher
 
-    groups = resource_groups(stage, g)
+    groups = generate_groups(stage, g)
     launcher.check_resources({k: v for k, v in groups.items() if v[0] and v[2]}, nodes)
     cpus = sum(n * c for n, c, _ in groups.values())
     if cpus > available.get("CPU", 0):
@@ -86,9 +78,13 @@ def engine_model(st: common.StageSetup, g: GenerateConfig, tokenizer: Any) -> An
 
 
 def kl_to_reference(
-    st: common.StageSetup, g: GenerateConfig, prompt_ids: list[list[int]], responses: list[list[int]], pad_id: int,
+    st: common.StageSetup,
+    g: GenerateConfig,
+    prompt_ids: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int,
     groups: tuple[Any, Any],
-) -> list[float]:  # fmt: skip
+) -> list[float]:
     """Per response, sum over its tokens of logp_policy - logp_ref (k1), at the rollout temperature."""
     from rlhf_core.algos.batching import make_sequences
     from rlhf_core.distributed import launcher
@@ -119,17 +115,26 @@ def logprob_groups(st: common.StageSetup, g: GenerateConfig) -> tuple[Any, Any]:
     made = []
     for role, model in (("model", g.model), ("reference", g.reference)):
         group = launcher.RayWorkerGroup(
-            g.strategy, ReferencePolicy, st.sources[role], KL_MICRO_BATCH, g.strategy.precision, model.init_seed,
-            temperature=g.rollout.temperature, tokenizer_path=model.tokenizer,
-            trust_remote_code=model.trust_remote_code, packing=g.strategy.packing, name=f"logprobs_{role}",
-        )  # fmt: skip
+            g.strategy,
+            ReferencePolicy,
+            st.sources[role],
+            KL_MICRO_BATCH,
+            g.strategy.precision,
+            model.init_seed,
+            temperature=g.rollout.temperature,
+            tokenizer_path=model.tokenizer,
+            trust_remote_code=model.trust_remote_code,
+            packing=g.strategy.packing,
+            name=f"logprobs_{role}",
+        )
         made.append(group)
     return made[0], made[1]
 
 
 def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     from rlhf_core.distributed import launcher
-    from rlhf_core.distributed.rollout_engine import EngineGroup, SamplingConfig, create_engines
+    from rlhf_core.distributed.rollout.engine import SamplingConfig
+    from rlhf_core.distributed.rollout.group import EngineGroup
 
     # 1. inputs: config hash (with upstream hashes), finished output, then the models
     g: GenerateConfig = cfg.stage(stage)
@@ -151,21 +156,31 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
         device = resolve_device(g.strategy.device)
 
         # 3. engines (and the log-prob groups), then sampling
-        demand = sum(n * c for n, c, _ in resource_groups(stage, g).values())
+        demand = sum(n * c for n, c, _ in generate_groups(stage, g).values())
         started = launcher.init_ray(min_cpus=demand)
         check_fits(stage, g, launcher.cluster_resources(), launcher.node_resources())
         kwargs = engine_kwargs(r, g.model, g.strategy.precision, device, g.seed, g.data.max_len)
-        handles = create_engines(
-            r.num_engines, engine_model(st, g, tokenizer), backend=r.backend, resources=r.resources,
-            tensor_parallel_size=r.tensor_parallel_size, num_cpus_per_engine=r.cpus_per_engine, **kwargs,
-        )  # fmt: skip
-        engines = EngineGroup(handles, tokenizer.eos_token_id)
+        engines = EngineGroup.create(
+            r.num_engines,
+            engine_model(st, g, tokenizer),
+            eos_token_id=tokenizer.eos_token_id,
+            backend=r.backend,
+            resources=r.resources,
+            tensor_parallel_size=r.tensor_parallel_size,
+            num_cpus_per_engine=r.cpus_per_engine,
+            **kwargs,
+        )
         if g.reference is not None:
             groups = logprob_groups(st, g)
         engines.wait_ready()
         prompt_ids = [e["prompt_ids"] for e in prompts]
-        sampling = SamplingConfig(n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                                  max_new_tokens=r.max_new_tokens, seed=g.seed)  # fmt: skip
+        sampling = SamplingConfig(
+            n=r.n_samples_per_prompt,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            seed=g.seed,
+        )
         responses = engines.generate(prompt_ids, sampling)
         n = r.n_samples_per_prompt
         if len(responses) != n * len(prompts):
@@ -179,29 +194,39 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
         for k, tokens in enumerate(responses):
             i, j = divmod(k, n)
             row = {
-                "prompt": prompts[i]["prompt"], "response": tokenizer.decode(tokens, skip_special_tokens=True),
-                "prompt_index": i, "sample_index": j, "response_tokens": len(tokens),
+                "prompt": prompts[i]["prompt"],
+                "response": tokenizer.decode(tokens, skip_special_tokens=True),
+                "prompt_index": i,
+                "sample_index": j,
+                "response_tokens": len(tokens),
                 "finish_reason": "stop" if tokens and tokens[-1] == tokenizer.eos_token_id else "length",
-            }  # fmt: skip
+            }
             if gold is not None:
                 row["gold_reward"] = float(gold(_prompt_text(row["prompt"]), row["response"]))
             if kl is not None:
                 row["kl_to_ref"] = kl[k]
             rows.append(row)
         metrics: dict[str, Any] = {
-            "prompts": len(prompts), "responses": len(rows), "responses_per_prompt": len(rows) / len(prompts),
+            "prompts": len(prompts),
+            "responses": len(rows),
+            "responses_per_prompt": len(rows) / len(prompts),
             "response_tokens_mean": sum(row["response_tokens"] for row in rows) / len(rows),
             "truncated": sum(row["finish_reason"] == "length" for row in rows) / len(rows),
-        }  # fmt: skip
+        }
         if gold is not None:
             metrics["gold_reward"] = sum(row["gold_reward"] for row in rows) / len(rows)
         if kl is not None:
             metrics["kl_to_ref"] = sum(kl) / len(kl)
         write_dataset(
-            st.store, stage, rows, g.output_format, config_hash=st.config_hash, metrics=metrics,
+            st.store,
+            stage,
+            rows,
+            g.output_format,
+            config_hash=st.config_hash,
+            metrics=metrics,
             extra={"upstream": st.upstream, "backend": r.backend},
-        )  # fmt: skip
-        st.store.write_json(f"{stage}/metrics.json", {"final": metrics})
+        )
+        st.store.write_json(run_layout.metrics(stage), {"final": metrics})
     finally:
         if engines is not None:
             engines.shutdown()

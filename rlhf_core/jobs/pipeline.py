@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 import time
 from collections.abc import Callable
 
-from rlhf_core.config import STAGE_KINDS, ConfigError, PipelineConfig, load_config
-from rlhf_core.data.loading import DataError
+from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config
 from rlhf_core.distributed.launcher import one_ray
-from rlhf_core.jobs.common import ray_cpus
-from rlhf_core.models.builders import ModelPathError
-from rlhf_core.storage import ArtifactError
+from rlhf_core.jobs.common import BAD_INPUT, env_secrets, exit_bad_input, ray_cpus
+from rlhf_core.run_layout import summary_metrics
 from rlhf_core.types import CheckpointRef
 
 
@@ -31,20 +28,15 @@ def runner(kind: str) -> Callable[[PipelineConfig, str], CheckpointRef]:
     return importlib.import_module(STAGE_KINDS[kind].job).run
 
 
-SHOWN = (
-    "loss_start", "loss_end", "eval_loss", "eval_accuracy", "reward_mean", "reward_std", "steps", "critic_loss",
-    "gold_reward_before", "gold_reward_after", "rm_score_before", "rm_score_after", "kl_to_ref_after",
-    "eval_margin", "gold_reward", "kl_to_ref", "responses", "rows_out", "score_mean",
-)  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlhf_core.jobs.pipeline", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="YAML preset, e.g. deployments/configs/demo.yaml")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
+    secrets = env_secrets()
     try:
         cfg = load_config(args.config, args.overrides)
+        secrets += [cfg.storage.key, cfg.storage.secret]
         results = []
         cpus = [c for c in (ray_cpus(cfg.stage(name)) for name in cfg.order()) if c is not None]
         # the stages share one Ray: started by the first that needs it, sized for the largest, stopped after the last
@@ -53,13 +45,12 @@ def main(argv: list[str] | None = None) -> None:
                 started = time.time()
                 ref = runner(cfg.kind(name))(cfg, name)
                 results.append((name, ref, time.time() - started))
-    except (ConfigError, DataError, ModelPathError, ArtifactError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except BAD_INPUT as e:
+        exit_bad_input(e, secrets)
 
     print("\n=== rlhf-pipeline results ===")
     for name, ref, seconds in results:
-        shown = ", ".join(f"{k}={_fmt(ref.metrics[k])}" for k in SHOWN if ref.metrics.get(k) is not None)
+        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in summary_metrics(ref.metrics).items())
         print(f"{name:13s} {seconds:6.1f}s  {shown}")
         print(f"{'':13s} model: {ref.uri}")
 

@@ -1,4 +1,4 @@
-"""What the DPO and KTO stages share: response-only sequence log-probs, the frozen reference, and the stage job.
+"""What the DPO and KTO stages share: response-only sequence log-probs and the frozen reference's numbers.
 
 Both score whole responses: the sum of the log-probs of the response tokens (EOS included) given the prompt, under
 the policy being trained and under a frozen reference (``<stage>.reference``, default the policy's starting model).
@@ -16,31 +16,28 @@ The reference's numbers come one of two ways (``<stage>.ref_logprobs``):
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rlhf_core import run_layout
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.preference import sequence_logprobs
-from rlhf_core.config import ModelConfig, PipelineConfig, PreferenceConfig
+from rlhf_core.config import ModelConfig, PreferenceConfig
 from rlhf_core.data.examples import pad_right
 from rlhf_core.distributed import device, launcher
+from rlhf_core.distributed.checkpoints import StageContext, write_entry
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
-from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer, write_entry
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.models.forward import causal_lm_logprobs
 from rlhf_core.storage import ArtifactError, ObjectStore
-from rlhf_core.types import CheckpointRef
 
 Sequence = tuple[list[int], int]  # token ids (prompt + response + EOS) and the prompt's length
-REFERENCE_REL = "reference_logprobs"
 CHUNK = 4096  # sequences per round trip to the reference workers
 
 
@@ -74,94 +71,35 @@ class FrozenReference:
         if self.model is None:  # with the reference's own tokenizer and keys, as the precomputing workers build it
             ref, path = self.ref, local_model_path(self.source)
             tokenizer = load_tokenizer(path, ref.tokenizer, trust_remote_code=ref.trust_remote_code)
-            model = build_causal_lm(path, tokenizer, seed=ref.init_seed, dtype=dtype, attn=attn,
-                                    trust_remote_code=ref.trust_remote_code)  # fmt: skip
+            model = build_causal_lm(
+                path, tokenizer, seed=ref.init_seed, dtype=dtype, attn=attn, trust_remote_code=ref.trust_remote_code
+            )
             self.model = model.to(batch["input_ids"].device).eval().requires_grad_(False)
         return response_logprobs(self.model, batch, self.packing)[0]
 
 
-class PreferenceImpl:
-    """The parts of a DPO/KTO ``StageImpl`` that do not depend on the loss: the policy, the reference numbers."""
+def reference_logps(
+    batch: dict[str, torch.Tensor], online: FrozenReference | None, build: tuple[torch.dtype, str] | None
+) -> torch.Tensor:
+    """(B,) reference log-probs of the batch's rows: the precomputed ones it carries, or the online copy's, built
+    with the policy's precision and attention (``build``)."""
+    if "ref_logps" in batch:
+        return batch["ref_logps"]
+    assert online is not None and build is not None, "no reference log-probs and no online reference"
+    return online(batch, *build).to(batch["input_ids"].device)
 
-    REF_KEYS: tuple[str, ...]  # where an example's reference log-probs go, in ``reference_sequences`` order
 
-    @staticmethod
-    def reference_sequences(e: dict) -> list[Sequence]:
-        """An example's sequences that are scored under the reference (each one's rows in a batch, in this order)."""
-        raise NotImplementedError
-
-    def __init__(self, p: PreferenceConfig, reference: ModelSource | None):
-        self.p, self.packing = p, p.strategy.packing
-        self.online = FrozenReference(reference, p.reference or p.model, self.packing) if reference else None
-        self._build: tuple[torch.dtype, str] | None = None
-
-    def build_model(self, ctx: StageContext, tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.nn.Module:
-        self._build = (dtype, attn)  # the online reference: the policy's precision and attention
-        return build_causal_lm(ctx.model_path, tokenizer, seed=ctx.init_seed, dtype=dtype, attn=attn,
-                               trust_remote_code=ctx.trust_remote_code)  # fmt: skip
-
-    def reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B,) reference log-probs of the batch's rows: the precomputed ones it carries, or the online copy's."""
-        if "ref_logps" in batch:
-            return batch["ref_logps"]
-        assert self.online is not None and self._build is not None, "no reference log-probs and no online reference"
-        return self.online(batch, *self._build).to(batch["input_ids"].device)
-
-    def tensors(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-        """Each example's first sequence, then each one's second (``reference_sequences``), with the reference
-        log-probs the examples carry (``REF_KEYS``, in the same order) when they were precomputed."""
-        per_example = [self.reference_sequences(e) for e in examples]
-        batch = response_tensors([seqs[i] for i in range(len(self.REF_KEYS)) for seqs in per_example], pad_id)
-        if self.REF_KEYS[0] in examples[0]:
-            refs = [e[key] for key in self.REF_KEYS for e in examples]
-            batch["ref_logps"] = torch.tensor(refs, dtype=torch.float32)
-        return batch
-
-    def before_training(
-        self, model: Any, ctx: StageContext, strategy: DeepSpeedStrategy, examples: dict[str, list[dict]], pad_id: int
-    ) -> None:
-        """Precomputed numbers of the starting model that the driver did not find stored: every rank scores its share
-        of the sequences with the policy it has just built (before any step, and before a checkpoint is loaded), the
-        shares are gathered, rank 0 commits them, and every rank attaches them to its examples."""
-        if self.p.ref_logprobs != "precompute" or not starts_as_reference(self.p):
-            return
-        splits = {name: rows for name, rows in examples.items() if rows}
-        if all(self.REF_KEYS[0] in rows[0] for rows in splits.values()):
-            return  # read back from reference_logprobs/ by the driver
-        started = time.time()
-        rank, world = strategy.rank, strategy.world_size
-        seqs = {name: [s for e in rows for s in self.reference_sequences(e)] for name, rows in splits.items()}
-        mine = {}
-        for name, all_seqs in seqs.items():  # rank r scores sequences r, r + world, ...
-            share = all_seqs[rank::world]
-            padded = share + (share[-1:] or all_seqs[:1]) * (-(-len(all_seqs) // world) - len(share))  # equal forwards
-            mine[name] = self._score(model, padded, ctx.train.eval_batch_size, pad_id)[: len(share)]
-        shares = strategy.all_gather_object(mine)
-        out = {name: [shares[i % world][name][i // world] for i in range(len(s))] for name, s in seqs.items()}
-        if rank == 0:
-            uri = commit_reference(ObjectStore(ctx.run_uri, ctx.storage_options), ctx.stage, ctx.config_hash, out)
-            print(f"[{ctx.stage}] reference log-probs of {sum(map(len, out.values()))} sequences, scored by the "
-                  f"{world} training rank(s) in {time.time() - started:.1f}s: {uri}", flush=True)  # fmt: skip
-        for name, rows in splits.items():
-            attach(rows, self.REF_KEYS, out[name])
-
-    @torch.no_grad()
-    def _score(self, model: Any, seqs: list[Sequence], micro: int, pad_id: int) -> list[float]:
-        """Summed response log-probs of ``seqs`` under ``model`` in eval mode, ``micro`` sequences per forward; the
-        model's mode is left as it was."""
-        dev, was_training = next(model.parameters()).device, model.training
-        model.eval()
-        try:
-            out: list[float] = []
-            for lo in range(0, len(seqs), micro):
-                batch = device.to_device(response_tensors(seqs[lo : lo + micro], pad_id), dev)
-                out += response_logprobs(model, batch, self.packing)[0].float().cpu().tolist()
-            return out
-        finally:
-            model.train(was_training)
-
-    def finalize(self, hf_model: Any, metrics: dict[str, float]) -> None:
-        pass
+def tensors(
+    examples: list[dict], pad_id: int, sequences: Callable[[dict], list[Sequence]], keys: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """Each example's first sequence, then each one's second (``sequences``), with the reference log-probs the
+    examples carry (``keys``, in the same order) when they were precomputed."""
+    per_example = [sequences(e) for e in examples]
+    batch = response_tensors([seqs[i] for i in range(len(keys)) for seqs in per_example], pad_id)
+    if keys[0] in examples[0]:
+        refs = [e[key] for key in keys for e in examples]
+        batch["ref_logps"] = torch.tensor(refs, dtype=torch.float32)
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -176,7 +114,7 @@ def starts_as_reference(p: PreferenceConfig) -> bool:
 def stored_reference(st: common.StageSetup, splits: dict[str, list[Sequence]]) -> dict[str, list[float]] | None:
     """The summed reference log-probs of every sequence of each split, when ``<stage>/reference_logprobs/`` was
     committed for this config hash and these splits."""
-    store, rel = st.store, f"{st.stage}/{REFERENCE_REL}"
+    store, rel = st.store, run_layout.reference_logprobs(st.stage)
     try:
         stored = store.read_manifest(rel, verify=True)
     except ArtifactError:
@@ -192,11 +130,16 @@ def stored_reference(st: common.StageSetup, splits: dict[str, list[Sequence]]) -
 
 def commit_reference(store: ObjectStore, stage: str, config_hash: str, logps: dict[str, list[float]]) -> str:
     """Commits ``<stage>/reference_logprobs/`` (one JSON file, manifest last); returns its URI."""
-    rel = f"{stage}/{REFERENCE_REL}"
+    rel = run_layout.reference_logprobs(stage)
     store.prepare(rel)
     files = {"logprobs.json": write_entry(store, f"{rel}/logprobs.json", json.dumps(logps))}
-    store.commit(rel, stage=stage, config_hash=config_hash, files=files,
-                 extra={"sequences": {k: len(v) for k, v in logps.items()}})  # fmt: skip
+    store.commit(
+        rel,
+        stage=stage,
+        config_hash=config_hash,
+        files=files,
+        extra={"sequences": {k: len(v) for k, v in logps.items()}},
+    )
     return store.uri(rel)
 
 
@@ -211,9 +154,17 @@ def precompute_reference(
     group = None
     try:
         group = launcher.RayWorkerGroup(
-            s, ReferencePolicy, st.sources["reference"], p.train.eval_batch_size, s.precision, ref.init_seed,
-            tokenizer_path=ref.tokenizer, trust_remote_code=ref.trust_remote_code, packing=s.packing, name="reference",
-        )  # fmt: skip
+            s,
+            ReferencePolicy,
+            st.sources["reference"],
+            p.train.eval_batch_size,
+            s.precision,
+            ref.init_seed,
+            tokenizer_path=ref.tokenizer,
+            trust_remote_code=ref.trust_remote_code,
+            packing=s.packing,
+            name="reference",
+        )
         out = {name: _score(group, seqs, pad_id) for name, seqs in splits.items()}
     finally:
         if group is not None:
@@ -239,52 +190,83 @@ def _score(group: launcher.RayWorkerGroup[ReferencePolicy], seqs: list[Sequence]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The stage job
+# Where the numbers come from: the driver (stored, or a reference group) or the training ranks (the starting model)
 
 
-@dataclass(frozen=True)
-class PreferenceKind:
-    """How a DPO-like kind makes its examples and its ``StageImpl``."""
+def driver_reference(
+    st: common.StageSetup,
+    p: PreferenceConfig,
+    splits: dict[str, list[dict]],
+    sequences: Callable[[dict], list[Sequence]],
+    keys: tuple[str, ...],
+    pad_id: int,
+) -> None:
+    """``ref_logprobs: precompute`` on the driver: the numbers committed for this config hash are read back, those of
+    a reference other than the starting model computed on a ``ReferencePolicy`` group; either way they are attached
+    to the examples under ``keys``. The starting model's numbers not stored yet are left to the training ranks
+    (``score_on_ranks``)."""
+    seqs = {name: [s for e in rows for s in sequences(e)] for name, rows in splits.items() if rows}
+    logps = stored_reference(st, seqs)
+    if logps is None and not starts_as_reference(p):
+        logps = precompute_reference(st, p, seqs, pad_id)
+    for name, rows in splits.items():
+        if logps is not None:
+            attach(rows, keys, logps.get(name, []))
 
-    examples: Callable[..., list[dict]]  # (data cfg, tokenizer, split, storage options) -> examples
-    impl: type[PreferenceImpl]  # (section, online reference source or None) -> StageImpl
+
+def score_on_ranks(
+    model: Any,
+    ctx: StageContext,
+    strategy: DeepSpeedStrategy,
+    p: PreferenceConfig,
+    splits: dict[str, list[dict]],
+    sequences: Callable[[dict], list[Sequence]],
+    keys: tuple[str, ...],
+    pad_id: int,
+) -> None:
+    """Collective: the precomputed numbers of the starting model that the driver did not find stored. Every rank
+    scores its share of the sequences with the policy it has just built (before any step, and before a checkpoint is
+    loaded), the shares are gathered, rank 0 commits them, and every rank attaches them to its examples."""
+    if p.ref_logprobs != "precompute" or not starts_as_reference(p):
+        return
+    splits = {name: rows for name, rows in splits.items() if rows}
+    if all(keys[0] in rows[0] for rows in splits.values()):
+        return  # read back from reference_logprobs/ by the driver
+    started = time.time()
+    rank, world = strategy.rank, strategy.world_size
+    seqs = {name: [s for e in rows for s in sequences(e)] for name, rows in splits.items()}
+    mine = {}
+    for name, all_seqs in seqs.items():  # rank r scores sequences r, r + world, ...
+        share = all_seqs[rank::world]
+        padded = share + (share[-1:] or all_seqs[:1]) * (-(-len(all_seqs) // world) - len(share))  # equal forwards
+        mine[name] = _score_policy(model, padded, ctx.train.eval_batch_size, pad_id, p.strategy.packing)[: len(share)]
+    shares = strategy.all_gather_object(mine)
+    out = {name: [shares[i % world][name][i // world] for i in range(len(s))] for name, s in seqs.items()}
+    if rank == 0:
+        uri = commit_reference(ObjectStore(ctx.run_uri, ctx.storage_options), ctx.stage, ctx.config_hash, out)
+        print(
+            f"[{ctx.stage}] reference log-probs of {sum(map(len, out.values()))} sequences, scored by the "
+            f"{world} training rank(s) in {time.time() - started:.1f}s: {uri}",
+            flush=True,
+        )
+    for name, rows in splits.items():
+        attach(rows, keys, out[name])
 
 
-def run_preference(cfg: PipelineConfig, stage: str, kind: PreferenceKind) -> CheckpointRef:
-    # 1. inputs: policy and reference, config hash, finished output
-    p = cfg.stage(stage)
-    st = common.setup_stage(cfg, stage, {"model": p.model, "reference": p.reference or p.model})
-    if st.done is not None:
-        return st.done
-    p = st.section  # its stage: data paths resolved to the committed datasets
-
-    # 2. data, tokenized and checked before any worker starts
-    options = st.store.fs.storage_options
-    tokenizer = load_tokenizer(st.model_path, p.model.tokenizer, trust_remote_code=p.model.trust_remote_code)
-    train = kind.examples(p.data, tokenizer, "train", options)
-    held_out = kind.examples(p.data, tokenizer, "eval", options) if p.data.eval_path else []
-    common.check_steps(stage, p, len(train))
-
-    # 3. reference log-probs (precomputed: once, stored with the stage; the starting model's are scored by the
-    # training ranks before their first step), then training on the Ray group
+@torch.no_grad()
+def _score_policy(model: Any, seqs: list[Sequence], micro: int, pad_id: int, packing: bool) -> list[float]:
+    """Summed response log-probs of ``seqs`` under ``model`` in eval mode, ``micro`` sequences per forward; the
+    model's mode is left as it was."""
+    dev, was_training = next(model.parameters()).device, model.training
+    model.eval()
     try:
-        if p.ref_logprobs == "precompute":
-            splits = {"train": train, "eval": held_out}
-            seqs = {name: [s for e in rows for s in kind.impl.reference_sequences(e)]
-                    for name, rows in splits.items() if rows}  # fmt: skip
-            logps = stored_reference(st, seqs)
-            if logps is None and not starts_as_reference(p):
-                logps = precompute_reference(st, p, seqs, tokenizer.pad_token_id)
-            for name, rows in splits.items():
-                if logps is not None:
-                    attach(rows, kind.impl.REF_KEYS, logps.get(name, []))
-        impl = kind.impl(p, None if p.ref_logprobs == "precompute" else st.sources["reference"])
-        metrics = launcher.run_group(
-            p.strategy, SupervisedTrainer, impl, st.context(), train, held_out, key=f"{stage}.strategy"
-        )[0]
+        out: list[float] = []
+        for lo in range(0, len(seqs), micro):
+            batch = device.to_device(response_tensors(seqs[lo : lo + micro], pad_id), dev)
+            out += response_logprobs(model, batch, packing)[0].float().cpu().tolist()
+        return out
     finally:
-        shutil.rmtree(st.work, ignore_errors=True)
-    return CheckpointRef(st.store.uri(stage), stage, metrics["steps"], st.config_hash, metrics)
+        model.train(was_training)
 
 
 def attach(rows: list[dict], keys: tuple[str, ...], values: Iterable[float]) -> None:

@@ -11,28 +11,127 @@ Reads ``reward_model.model.name_or_path`` (usually ``stage:sft``) and preference
 from __future__ import annotations
 
 import shutil
+import time
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
+from rlhf_core import events
 from rlhf_core.algos.losses import pairwise_reward_loss
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.examples import pad_right, preference_examples
-from rlhf_core.distributed import launcher
-from rlhf_core.distributed.trainer import StageContext, SupervisedTrainer
+from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
+from rlhf_core.distributed import device, launcher
+from rlhf_core.distributed.checkpoints import (
+    StageContext,
+    export_stage,
+    fail_if_injected,
+    log_rank0,
+    resume,
+    save_checkpoint,
+    start_rank,
+)
 from rlhf_core.jobs import common
-from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model, load_tokenizer
+from rlhf_core.models.builders import ScalarHeadModel, attn_implementation, build_scalar_model, load_tokenizer
 from rlhf_core.models.forward import scalar_values
+from rlhf_core.tracking import Tracker
 from rlhf_core.types import CheckpointRef
 
 KIND = "reward_model"
 
 
-class RewardModelImpl:
-    def __init__(self, margin: float, packing: bool = True):
-        self.packing = packing  # <stage>.strategy.packing: padding removed inside the forward
+class RewardModelTrainer:
+    """One rank of the reward-model stage, hosted by a Ray worker: trains, checkpoints, resumes, evaluates, exports."""
+
+    def __init__(self, ctx: StageContext, train_examples: list[dict], eval_examples: list[dict], margin: float):
+        self.ctx, self.train_examples, self.eval_examples = ctx, train_examples, eval_examples
+        self.packing = ctx.strategy.packing  # padding removed inside the forward
         self.margin = margin
 
-    def build_model(self, ctx: StageContext, tokenizer, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+    def fit(self) -> dict:
+        ctx, strategy, store, work = start_rank(self.ctx)
+        self.ctx, t = ctx, ctx.train
+
+        # 1. model and engine
+        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
+        attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
+        with strategy.model_init():  # ZeRO-3: each rank materialises only its partition
+            model = self.build_model(tokenizer, strategy.dtype, attn)
+        n = len(self.train_examples)
+        steps = total_steps(n, t.train_batch_size, t.max_epochs, t.max_steps)
+        engine = strategy.prepare(model, steps)
+        self.device = next(engine.module.parameters()).device
+        pad_id = tokenizer.pad_token_id
+
+        # 2. resume from the newest complete checkpoint of this config
+        state = resume(ctx, strategy, store, engine, work / "resume")
+        resumed_from = state["step"]
+
+        # 3. steps: step k consumes stream items [k*B, (k+1)*B), this rank its slice of them
+        startup_s = None if ctx.job_started is None else time.time() - ctx.job_started
+        if startup_s is not None:
+            log_rank0(strategy, ctx.stage, f"first step {startup_s:.1f}s after the job started")
+        history = []
+        # rank 0's trackers (TensorBoard, MLflow, W&B), closed as failed when the stage raises
+        with Tracker(ctx.tracking if strategy.rank == 0 else None) as tracker:
+            for step in range(state["step"], steps):
+                started = time.time()
+                indices = rank_slice(
+                    global_batch(n, t.train_batch_size, step, t.seed), strategy.rank, strategy.world_size
+                )
+                sums: dict[str, float] = {}
+                for lo in range(0, len(indices), t.micro_train_batch_size):
+                    micro = [self.train_examples[i] for i in indices[lo : lo + t.micro_train_batch_size]]
+                    loss, metrics = self.loss(engine, self.batch(micro, pad_id))
+                    engine.backward(loss)
+                    engine.step()
+                    for k, v in {"loss": loss.item(), **metrics}.items():
+                        sums[k] = sums.get(k, 0.0) + v / strategy.accumulation_steps
+                logs = {k: strategy.all_reduce_mean(v) for k, v in sums.items()}
+                state["step"], state["consumed_samples"] = step + 1, (step + 1) * t.train_batch_size
+                if state["first_loss"] is None:
+                    state["first_loss"] = logs["loss"]
+                history.append({"step": step + 1, **logs})
+                if (step + 1) % t.log_steps == 0 or step + 1 == steps or step == 0:
+                    lr = engine.get_lr()[0]
+                    shown = " ".join(f"{k}={v:.4f}" for k, v in logs.items())
+                    line = f"step {step + 1}/{steps} {shown} lr={lr:.2e} ({time.time() - started:.2f}s)"
+                    log_rank0(strategy, ctx.stage, line)
+                    if strategy.rank == 0:
+                        events.step(ctx.stage, step + 1, steps, {**logs, "lr": lr})
+                        tracker.log(step + 1, {**logs, "lr": lr})
+                if t.save_steps and (step + 1) % t.save_steps == 0 and step + 1 < steps:
+                    save_checkpoint(ctx, strategy, store, engine, work / "ckpt", state)
+                    fail_if_injected(ctx.fail_after_step, step + 1)
+
+            # 4. evaluate
+            metrics = {
+                "steps": steps,
+                "train_samples": n,
+                "resumed_from_step": resumed_from,
+                "loss_start": state["first_loss"],
+                "loss_end": history[-1]["loss"] if history else None,
+            }
+            if startup_s is not None:
+                metrics["startup_s"] = startup_s  # job start -> first step (rank 0's clock)
+            if self.eval_examples:
+                chunks = range(0, len(self.eval_examples), t.eval_batch_size)
+                batches = (self.batch(self.eval_examples[lo : lo + t.eval_batch_size], pad_id) for lo in chunks)
+                metrics.update(self.evaluate(engine, batches))
+
+            # 5. export in Hugging Face format, manifest last; the config carries the reward stats PPO normalises with
+            weights = strategy.full_state_dict(engine)
+            if strategy.rank == 0:
+                config = engine.module.hf_model.config
+                config.reward_mean, config.reward_std = metrics["reward_mean"], metrics["reward_std"]
+                export_stage(ctx, store, engine.module, weights, tokenizer, metrics, history, work / "export")
+        strategy.barrier()
+        shutil.rmtree(work, ignore_errors=True)
+        return metrics
+
+    def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+        ctx = self.ctx
         hf = build_scalar_model(
             ctx.model_path,
             tokenizer,
@@ -43,27 +142,30 @@ class RewardModelImpl:
         )
         return ScalarHeadModel(hf)
 
-    def before_training(self, model, ctx: StageContext, strategy, examples: dict[str, list], pad_id: int) -> None:
-        pass
+    def batch(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        """The collated micro-batch on this rank's device (the one path every training and eval batch takes)."""
+        return device.to_device(self.collate(examples, pad_id), self.device)
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """Chosen rows first, then rejected rows, in one (2B, T) batch."""
         ids = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
         return {"input_ids": pad_right(ids, pad_id), "attention_mask": pad_right([[1] * len(x) for x in ids], 0)}
 
-    def rewards(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rewards(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) rewards of the chosen rows and (B,) of the rejected rows."""
         values = scalar_values(model, batch["input_ids"], batch["attention_mask"], pack=self.packing)
         rewards = ScalarHeadModel.last_values(values, batch["attention_mask"])
         half = rewards.size(0) // 2
         return rewards[:half], rewards[half:]
 
-    def loss(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         chosen, rejected = self.rewards(model, batch)
         acc = (chosen > rejected).float().mean().item()
         return pairwise_reward_loss(chosen, rejected, self.margin), {"acc": acc}
 
     @torch.no_grad()
-    def evaluate(self, model, batches) -> dict[str, float]:
+    def evaluate(self, model: Any, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Held-out accuracy and the mean and std of every held-out reward (the stats PPO normalises with)."""
         chosen, rejected = [], []
         for batch in batches:
             c, r = self.rewards(model, batch)
@@ -77,10 +179,6 @@ class RewardModelImpl:
             "reward_mean": everything.mean().item(),
             "reward_std": everything.std().item(),
         }
-
-    def finalize(self, hf_model, metrics: dict[str, float]) -> None:
-        hf_model.config.reward_mean = metrics["reward_mean"]
-        hf_model.config.reward_std = metrics["reward_std"]
 
 
 def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
@@ -99,10 +197,15 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     common.check_steps(stage, section, len(train))
 
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
-    impl = RewardModelImpl(section.margin, section.strategy.packing)
     try:
         metrics = launcher.run_group(
-            section.strategy, SupervisedTrainer, impl, st.context(), train, held_out, key=f"{stage}.strategy"
+            section.strategy,
+            RewardModelTrainer,
+            st.context(),
+            train,
+            held_out,
+            section.margin,
+            key=f"{stage}.strategy",
         )[0]
     finally:
         shutil.rmtree(st.work, ignore_errors=True)  # downloaded inputs and staging

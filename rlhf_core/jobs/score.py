@@ -19,6 +19,7 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
+from rlhf_core import run_layout
 from rlhf_core.config import ConfigError, PipelineConfig, ScoreConfig
 from rlhf_core.data.datasets import write_dataset
 from rlhf_core.data.examples import encode, render_prompt
@@ -92,10 +93,17 @@ def reward_model_scores(st: common.StageSetup, rows: list[dict]) -> list[float]:
                 f"{have:g}"
             )
         group = launcher.RayWorkerGroup(
-            s.strategy, RewardScorer, st.sources["reward"], s.micro_batch_size, s.strategy.precision,
-            tokenizer_path=s.reward.tokenizer, init_seed=s.reward.init_seed,
-            trust_remote_code=s.reward.trust_remote_code, packing=s.strategy.packing, name="reward",
-        )  # fmt: skip
+            s.strategy,
+            RewardScorer,
+            st.sources["reward"],
+            s.micro_batch_size,
+            s.strategy.precision,
+            tokenizer_path=s.reward.tokenizer,
+            init_seed=s.reward.init_seed,
+            trust_remote_code=s.reward.trust_remote_code,
+            packing=s.strategy.packing,
+            name="reward",
+        )
         parts = group.call_each(RewardScorer.scores, batch.shard(workers))
     finally:
         if group is not None:
@@ -156,10 +164,15 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
         # 4. selection and commit
         out, metrics = select(s, stage, rows, scores)
         write_dataset(
-            st.store, stage, out, s.output_format, config_hash=st.config_hash, metrics=metrics,
+            st.store,
+            stage,
+            out,
+            s.output_format,
+            config_hash=st.config_hash,
+            metrics=metrics,
             extra={"upstream": st.upstream, "select": s.select, "scorer": "reward_fn" if fn else "reward_model"},
-        )  # fmt: skip
-        st.store.write_json(f"{stage}/metrics.json", {"final": metrics})
+        )
+        st.store.write_json(run_layout.metrics(stage), {"final": metrics})
     finally:
         if st.work:
             shutil.rmtree(st.work, ignore_errors=True)

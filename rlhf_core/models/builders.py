@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from rlhf_core.algos.losses import last_token_index
+from rlhf_core.errors import first_line
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_TOKENIZER = ASSETS / "tokenizer"
@@ -36,47 +37,6 @@ class ModelPathError(ValueError):
 
 def builtin_names() -> list[str]:
     return sorted(p.stem for p in (ASSETS / "models").glob("*.json"))
-
-
-def check_model_source(
-    path: str, key: str, *, trust_remote_code: bool = False, tokenizer: str | None = None,
-    tokenizer_key: str | None = None,
-) -> None:  # fmt: skip
-    """Fail fast, before any worker starts, when ``path`` cannot be a model. ``key`` names the config key.
-
-    A local directory is checked without loading its weights (``rlhf_core.models.checks``): config.json, the weight
-    files' headers and their shapes against the config, and that the tokenizer the stage will use loads: the one at
-    ``tokenizer`` (its config key ``tokenizer_key``, default ``key``'s sibling ``tokenizer``) when given, else the
-    model's own."""
-    if path.startswith(BUILTIN_PREFIX):
-        name = path[len(BUILTIN_PREFIX) :]
-        if name not in builtin_names():
-            raise ModelPathError(
-                f"'{key}': unknown builtin model '{name}'; choose one of {', '.join(builtin_names())}"
-            )
-        if tokenizer is None:
-            return  # the bundled tokenizer
-    elif Path(path).exists():
-        from rlhf_core.models.checks import check_model_dir
-
-        if not Path(path).is_dir():
-            raise ModelPathError(f"'{key}': {path} is a file, not a model directory; point {key} at the folder")
-        check_model_dir(Path(path), key, trust_remote_code=trust_remote_code)
-    else:
-        from transformers import AutoConfig
-
-        try:
-            AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
-            raise ModelPathError(
-                f"'{key}': model path {path!r} is not a local directory and could not be loaded from the hub "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-            ) from None
-        if tokenizer is None:
-            return  # a hub model's tokenizer comes with it; not fetched twice here
-    if tokenizer is not None:
-        tokenizer_key = tokenizer_key or (f"{key.rsplit('.', 1)[0]}.tokenizer" if "." in key else key)
-    load_tokenizer(path, tokenizer, trust_remote_code=trust_remote_code, key=tokenizer_key or key)
 
 
 def load_tokenizer(
@@ -109,11 +69,14 @@ def tokenizer_error(path: str, key: str | None, e: Exception) -> str:
             fix = f"point {key} at a tokenizer folder"
         else:
             fix = f"set {key.rsplit('.', 1)[0] if key else 'model'}.tokenizer to one"
-        return (f"{where}{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy the tokenizer "
-                f"into it (tokenizer.save_pretrained) or {fix}")  # fmt: skip
-    text = str(e).strip().splitlines()
-    reason = f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-    return f"{where}the tokenizer at {path} does not load ({reason}); fix or re-save it with tokenizer.save_pretrained"
+        return (
+            f"{where}{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy the tokenizer "
+            f"into it (tokenizer.save_pretrained) or {fix}"
+        )
+    return (
+        f"{where}the tokenizer at {path} does not load ({first_line(e)}); fix or re-save it with "
+        "tokenizer.save_pretrained"
+    )
 
 
 def attn_implementation(requested: str, device: str) -> str:
@@ -277,9 +240,11 @@ class ScalarHeadModel(nn.Module):
         self.head = score_head(hf_model)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """(B, T) ids and mask -> (B, T) values. Packed rows (``rlhf_core.algos.packing``) come without a mask and
         with ``position_ids`` that restart at each sample."""
         hidden = self.backbone(

@@ -1,4 +1,5 @@
-"""Check a local model directory before any worker loads it: config, weight files (headers only) and shapes.
+"""Check a model source before any worker loads it: a builtin name, a hub name, or a local model directory's config,
+weight files (headers only) and shapes.
 
 Every refusal is one ``ModelPathError`` line naming the config key, the file and the fix. Weights are never read:
 a safetensors file is checked by its header (8-byte little-endian length, then JSON ``{name: {dtype, shape,
@@ -17,25 +18,77 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.models.builders import ModelPathError
+from rlhf_core.errors import first_line
+from rlhf_core.models.builders import BUILTIN_PREFIX, ModelPathError, builtin_names, load_tokenizer
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
 REEXPORT = "re-export it with save_pretrained"
 
 
-def first_line(e: BaseException) -> str:
-    text = [line.strip() for line in str(e).splitlines() if line.strip()]
-    if len(text) > 1 and text[0].endswith(":"):  # the reason is on the next line
-        text = [f"{text[0]} {text[1]}"]
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+def check_model_source(
+    path: str,
+    key: str,
+    *,
+    trust_remote_code: bool = False,
+    tokenizer: str | None = None,
+    tokenizer_key: str | None = None,
+) -> None:
+    """Fail fast, before any worker starts, when ``path`` cannot be a model. ``key`` names the config key.
+
+    A local directory is checked without loading its weights (``check_model_dir``): config.json, the weight
+    files' headers and their shapes against the config, and that the tokenizer the stage will use loads: the one at
+    ``tokenizer`` (its config key ``tokenizer_key``, default ``key``'s sibling ``tokenizer``) when given, else the
+    model's own."""
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX) :]
+        if name not in builtin_names():
+            raise ModelPathError(
+                f"'{key}': unknown builtin model '{name}'; choose one of {', '.join(builtin_names())}"
+            )
+        if tokenizer is None:
+            return  # the bundled tokenizer
+    elif Path(path).exists():
+        if not Path(path).is_dir():
+            raise ModelPathError(f"'{key}': {path} is a file, not a model directory; point {key} at the folder")
+        check_model_dir(Path(path), key, trust_remote_code=trust_remote_code)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+            raise ModelPathError(
+                f"'{key}': model path {path!r} is not a local directory and could not be loaded from the hub "
+                f"({first_line(e)})"
+            ) from None
+        if tokenizer is None:
+            return  # a hub model's tokenizer comes with it; not fetched twice here
+    if tokenizer is not None:
+        tokenizer_key = tokenizer_key or (f"{key.rsplit('.', 1)[0]}.tokenizer" if "." in key else key)
+    load_tokenizer(path, tokenizer, trust_remote_code=trust_remote_code, key=tokenizer_key or key)
 
 
 def sibling_key(key: str, leaf: str) -> str:
@@ -55,8 +108,10 @@ def check_model_dir(local: Path, key: str, *, trust_remote_code: bool = False) -
 def read_config(local: Path, key: str) -> dict[str, Any]:
     path = local / "config.json"
     if not path.is_file():
-        raise ModelPathError(f"'{key}': {local} has no config.json, so it is not a model directory; point {key} "
-                             "at a folder written by save_pretrained")  # fmt: skip
+        raise ModelPathError(
+            f"'{key}': {local} has no config.json, so it is not a model directory; point {key} "
+            "at a folder written by save_pretrained"
+        )
     try:
         raw = json.loads(path.read_text())
     except UnicodeDecodeError:
@@ -77,16 +132,22 @@ def auto_config(local: Path, key: str, raw: dict[str, Any], trust_remote_code: b
     path = local / "config.json"
     model_type = raw.get("model_type")
     if not model_type or not isinstance(model_type, str):
-        raise ModelPathError(f"'{key}': {path} has no model_type; add the model's type (e.g. \"model_type\": "
-                             "\"llama\") or re-export it with save_pretrained")  # fmt: skip
+        raise ModelPathError(
+            f"'{key}': {path} has no model_type; add the model's type (e.g. \"model_type\": "
+            '"llama") or re-export it with save_pretrained'
+        )
     custom = isinstance(raw.get("auto_map"), dict) and "AutoConfig" in raw["auto_map"]
     if model_type not in CONFIG_MAPPING:
         if not custom:
-            raise ModelPathError(f"'{key}': {path} has model_type '{model_type}', which this transformers does not "
-                                 "know; fix model_type or upgrade transformers")  # fmt: skip
+            raise ModelPathError(
+                f"'{key}': {path} has model_type '{model_type}', which this transformers does not "
+                "know; fix model_type or upgrade transformers"
+            )
         if not trust_remote_code:
-            raise ModelPathError(f"'{key}': {path} has model_type '{model_type}' with custom code (auto_map); set "
-                                 f"{sibling_key(key, 'trust_remote_code')}=true if you trust it")  # fmt: skip
+            raise ModelPathError(
+                f"'{key}': {path} has model_type '{model_type}' with custom code (auto_map); set "
+                f"{sibling_key(key, 'trust_remote_code')}=true if you trust it"
+            )
     try:
         return AutoConfig.from_pretrained(str(local), trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure here means a config a load would reject
@@ -105,8 +166,10 @@ def weight_shapes(local: Path, key: str) -> dict[str, tuple[str, tuple[int, ...]
         return {n: (BIN, s) for n, s in bin_header(local / BIN, key).items()}
     if (local / BIN_INDEX).is_file():
         return sharded(local, key, BIN_INDEX, bin_header)
-    raise ModelPathError(f"'{key}': {local} has no weights ({SAFETENSORS}, {SAFETENSORS_INDEX}, {BIN} or "
-                         f"{BIN_INDEX}); copy the weight files into it or re-export the model")  # fmt: skip
+    raise ModelPathError(
+        f"'{key}': {local} has no weights ({SAFETENSORS}, {SAFETENSORS_INDEX}, {BIN} or "
+        f"{BIN_INDEX}); copy the weight files into it or re-export the model"
+    )
 
 
 def sharded(local: Path, key: str, index_name: str, header: Any) -> dict[str, tuple[str, tuple[int, ...] | None]]:
@@ -119,14 +182,15 @@ def sharded(local: Path, key: str, index_name: str, header: Any) -> dict[str, tu
     shards = sorted(set(weight_map.values()))
     missing = [f for f in shards if not (local / f).is_file()]
     if missing:
-        raise ModelPathError(f"'{key}': {index} lists {len(missing)} shard(s) missing from {local} "
-                             f"({', '.join(missing[:3])}); copy every shard")  # fmt: skip
+        raise ModelPathError(
+            f"'{key}': {index} lists {len(missing)} shard(s) missing from {local} "
+            f"({', '.join(missing[:3])}); copy every shard"
+        )
     shapes = {f: header(local / f, key) for f in shards}
     found: dict[str, tuple[str, tuple[int, ...] | None]] = {}
     for name, f in weight_map.items():
         if name not in shapes[f]:
-            raise ModelPathError(f"'{key}': {index} places tensor {name} in {f}, which does not hold it; "
-                                 f"{REEXPORT}")  # fmt: skip
+            raise ModelPathError(f"'{key}': {index} places tensor {name} in {f}, which does not hold it; {REEXPORT}")
         found[name] = (f, shapes[f][name])
     return found
 
@@ -141,8 +205,9 @@ def safetensors_header(path: Path, key: str) -> dict[str, tuple[int, ...]]:
             raise ModelPathError(f"{bad} ({size} bytes); {REEXPORT}")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > MAX_HEADER:
-            raise ModelPathError(f"{bad} (header length {n} but the file has {size} bytes: truncated or not "
-                                 f"safetensors); {REEXPORT}")  # fmt: skip
+            raise ModelPathError(
+                f"{bad} (header length {n} but the file has {size} bytes: truncated or not safetensors); {REEXPORT}"
+            )
         text = f.read(n)
     try:
         header = json.loads(text)
@@ -161,8 +226,10 @@ def safetensors_header(path: Path, key: str) -> dict[str, tuple[int, ...]]:
         except Exception:  # noqa: BLE001 - a malformed entry
             raise ModelPathError(f"{bad} (header entry {name} is malformed); {REEXPORT}") from None
         if end > data:
-            raise ModelPathError(f"{bad} (tensor {name} ends at byte {end} of {data} data bytes: the file is "
-                                 "truncated); copy it again or re-export the model")  # fmt: skip
+            raise ModelPathError(
+                f"{bad} (tensor {name} ends at byte {end} of {data} data bytes: the file is "
+                "truncated); copy it again or re-export the model"
+            )
         if end - begin != math.prod(shape) * width:
             raise ModelPathError(f"{bad} (tensor {name}: {end - begin} bytes for shape {list(shape)}); {REEXPORT}")
         shapes[name] = shape
@@ -224,9 +291,13 @@ def renamed(name: str) -> str:
 
 
 def check_shapes(
-    local: Path, key: str, config: Any, raw: dict[str, Any],
-    found: dict[str, tuple[str, tuple[int, ...] | None]], trust_remote_code: bool,
-) -> None:  # fmt: skip
+    local: Path,
+    key: str,
+    config: Any,
+    raw: dict[str, Any],
+    found: dict[str, tuple[str, tuple[int, ...] | None]],
+    trust_remote_code: bool,
+) -> None:
     """Refuse a tensor whose shape is not the config's; and, for a model without weight conversions on load, a
     checkpoint that lacks some of the config's tensors (tied copies, a classification head and what the model
     class itself tolerates aside): transformers would initialise those at random."""
@@ -246,16 +317,20 @@ def check_shapes(
     for name, (file, shape) in found.items():
         target = want.get(plain(name))
         if shape is not None and target is not None and tuple(shape) != target:
-            raise ModelPathError(f"'{key}': tensor {name} in {local / file} has shape {list(shape)} but {path} "
-                                 f"implies {list(target)}; the config does not match the weights (fix the config "
-                                 "or re-export the model)")  # fmt: skip
+            raise ModelPathError(
+                f"'{key}': tensor {name} in {local / file} has shape {list(shape)} but {path} "
+                f"implies {list(target)}; the config does not match the weights (fix the config "
+                "or re-export the model)"
+            )
     if not found or any(s is None for _, s in found.values()) or converted(model):
         return
     missing = sorted(missing_names(model, plain, have))
     if missing:
-        raise ModelPathError(f"'{key}': the weights in {local} lack {len(missing)} tensor(s) that {path} implies "
-                             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the config does not "
-                             "match the weights (fix the config or re-export the model)")  # fmt: skip
+        raise ModelPathError(
+            f"'{key}': the weights in {local} lack {len(missing)} tensor(s) that {path} implies "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the config does not "
+            "match the weights (fix the config or re-export the model)"
+        )
 
 
 def converted(model: Any) -> bool:

@@ -71,10 +71,16 @@ def _final_hidden(model: Any, hf: nn.Module, **inputs: Any) -> torch.Tensor:
 
 
 def causal_lm_logprobs(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, score_mask: torch.Tensor, *,
-    temperature: float = 1.0, pack: bool = True, chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    pack: bool = True,
+    chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
     with_entropy: bool = False,
-) -> Any:  # fmt: skip
+) -> Any:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) where ``score_mask[:, t]`` is 1, 0 elsewhere.
 
     Args:

@@ -9,14 +9,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from rlhf_core.algos.advantages import (
-    ESTIMATORS,
-    cumulative_returns,
-    shape_scores,
-    varied_groups,
-    whitens,
-)
+from rlhf_core.algos.advantages import cumulative_returns, shape_scores, varied_groups, whitens
 from rlhf_core.algos.ppo import distributed_masked_whiten, masked_whiten, token_rewards
+from rlhf_core.algos.vocab import ADVANTAGE_ESTIMATORS
 from rlhf_core.distributed import device
 from rlhf_core.ports import free_port
 
@@ -65,7 +60,8 @@ def test_estimator_errors_name_the_problem():
 
 
 def test_which_estimators_whiten():
-    assert [e for e in ESTIMATORS if whitens(e, whiten_advantages=False)] == ["reinforce++", "reinforce++_baseline"]
+    whitened = [e for e in ADVANTAGE_ESTIMATORS if whitens(e, whiten_advantages=False)]
+    assert whitened == ["reinforce++", "reinforce++_baseline"]
     assert whitens("gae", whiten_advantages=True) and not whitens("grpo", whiten_advantages=True)
 
 

@@ -55,8 +55,13 @@ def test_dual_clip_bounds_a_negative_advantage_and_stops_its_gradient():
 def test_importance_weights_scale_each_token_loss():
     # ratio 1.1, A = 2: -2.2; weight 0.5 -> -1.1. The padding token stays 0 whatever its inputs.
     logp = torch.tensor([[math.log(1.1), 30.0]])
-    loss_t, _ = policy_loss_tokens(logp, torch.zeros(1, 2), torch.tensor([[2.0, 9.0]]), torch.tensor([[1, 0]]),
-                                   is_weights=torch.tensor([[0.5, 7.0]]))  # fmt: skip
+    loss_t, _ = policy_loss_tokens(
+        logp,
+        torch.zeros(1, 2),
+        torch.tensor([[2.0, 9.0]]),
+        torch.tensor([[1, 0]]),
+        is_weights=torch.tensor([[0.5, 7.0]]),
+    )
     assert_close(loss_t, torch.tensor([[-1.1, 0.0]]))
 
 

@@ -327,10 +327,11 @@ def test_policy_loss_equal_per_token_weight_across_micro_batches_of_unequal_leng
 
     logprobs = torch.zeros(2, 3, requires_grad=True)
     micro = [
-        policy_loss(logprobs[i : i + 1], torch.zeros(1, 3), MICRO_ADVANTAGES[i : i + 1], MICRO_MASK[i : i + 1],
-                    num_tokens=4)[0]
+        policy_loss(
+            logprobs[i : i + 1], torch.zeros(1, 3), MICRO_ADVANTAGES[i : i + 1], MICRO_MASK[i : i + 1], num_tokens=4
+        )[0]
         for i in range(2)
-    ]  # fmt: skip
+    ]
     # micro 0: -2 / 4 = -0.5; micro 1: -(1 - 1 + 4) / 4 = -1.0; sum = -1.5, the full-batch token mean
     assert_close(micro[0], torch.tensor(-0.5))
     assert_close(micro[1], torch.tensor(-1.0))
@@ -366,10 +367,16 @@ def test_value_loss_equal_per_token_weight_across_micro_batches_of_unequal_lengt
 
         values = start.clone().requires_grad_(True)
         micro = [
-            value_loss(values[i : i + 1], start[i : i + 1], returns[i : i + 1], MICRO_MASK[i : i + 1],
-                       clip_eps=clip_eps, num_tokens=torch.tensor(4.0))[0]
+            value_loss(
+                values[i : i + 1],
+                start[i : i + 1],
+                returns[i : i + 1],
+                MICRO_MASK[i : i + 1],
+                clip_eps=clip_eps,
+                num_tokens=torch.tensor(4.0),
+            )[0]
             for i in range(2)
-        ]  # fmt: skip
+        ]
         # micro 0: 0.5 * 1 / 4 = 0.125; micro 1: 0.5 * (1 + 1 + 4) / 4 = 0.75; sum 0.875
         assert_close(micro[0], torch.tensor(0.125))
         assert_close(micro[1], torch.tensor(0.75))

@@ -158,9 +158,15 @@ def test_kto_desirable_and_undesirable_by_hand():
 def test_kto_weights():
     policy, ref, desirable = _kto_batch()
     stats = kto_loss(
-        policy, ref, desirable, torch.tensor([-2.0, -3.0]), torch.tensor([-3.0, -3.0]), beta=0.5,
-        desirable_weight=2.0, undesirable_weight=0.5,
-    )  # fmt: skip
+        policy,
+        ref,
+        desirable,
+        torch.tensor([-2.0, -3.0]),
+        torch.tensor([-3.0, -3.0]),
+        beta=0.5,
+        desirable_weight=2.0,
+        undesirable_weight=0.5,
+    )
     # (2 * 0.437823 + 0.5 * 0.320821) / 2 = (0.875647 + 0.160411) / 2 = 0.518029
     assert stats.loss.item() == pytest.approx(0.518029, abs=ATOL)
 

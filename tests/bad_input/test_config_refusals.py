@@ -27,13 +27,19 @@ def test_a_key_given_twice_in_a_stage_section(tmp_path, refused):
 
 
 def test_malformed_yaml_names_line_and_column(tmp_path, refused):
-    refused("sft", config=preset(tmp_path, "run_uri: [runs/x\nstages: {}\n"),
-            match=r"preset.yaml is not valid YAML: line \d+, column \d+")  # fmt: skip
+    refused(
+        "sft",
+        config=preset(tmp_path, "run_uri: [runs/x\nstages: {}\n"),
+        match=r"preset.yaml is not valid YAML: line \d+, column \d+",
+    )
 
 
 def test_invalid_utf8_in_the_preset_names_its_line(tmp_path, refused):
-    refused("sft", config=preset(tmp_path, b"run_uri: runs/x\n# caf\xe9\nstages: {}\n"),
-            match=r"preset.yaml line 2: not valid UTF-8 \(byte 0xe9\)")  # fmt: skip
+    refused(
+        "sft",
+        config=preset(tmp_path, b"run_uri: runs/x\n# caf\xe9\nstages: {}\n"),
+        match=r"preset.yaml line 2: not valid UTF-8 \(byte 0xe9\)",
+    )
 
 
 def test_a_preset_with_a_bom_loads(tmp_path, refused):
@@ -53,8 +59,15 @@ def test_an_unknown_key(refused):
 def test_a_stage_being_written_by_a_live_job(run_dir, refused, monkeypatch):
     # Another live writer's lease (this test process stands for it): the job waits RLHF_LEASE_WAIT_S, then refuses.
     me = psutil.Process()
-    lease = {"token": "other", "stage": "sft", "host": socket.gethostname(), "pid": os.getpid(),
-             "pid_started": me.create_time(), "acquired": time.time(), "heartbeat": time.time() + 3600}  # fmt: skip
+    lease = {
+        "token": "other",
+        "stage": "sft",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_started": me.create_time(),
+        "acquired": time.time(),
+        "heartbeat": time.time() + 3600,
+    }
     (run_dir / "_leases").mkdir()
     (run_dir / "_leases" / "sft.json").write_text(json.dumps(lease))
     monkeypatch.setenv("RLHF_LEASE_WAIT_S", "1")

@@ -54,26 +54,34 @@ def broken_tokenizer(folder: Path) -> None:
 CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
     "no config.json": ("good", no_config, r"has no config.json, so it is not a model directory"),
     "malformed config.json": (
-        "good", malformed_config, r"config.json is not valid JSON \(line 2, column 20: Expecting ',' delimiter\)",
+        "good",
+        malformed_config,
+        r"config.json is not valid JSON \(line 2, column 20: Expecting ',' delimiter\)",
     ),
     "no model_type": ("good", lambda f: edit_config(f, model_type=None), r"config.json has no model_type"),
     "unknown model_type": (
-        "good", lambda f: edit_config(f, model_type="llama9000"), r"model_type 'llama9000', which this transformers",
+        "good",
+        lambda f: edit_config(f, model_type="llama9000"),
+        r"model_type 'llama9000', which this transformers",
     ),
     "no weights": ("good", lambda f: (f / "model.safetensors").unlink(), r"has no weights \(model.safetensors, "),
     "truncated safetensors": ("good", truncated, r"model.safetensors is not a readable safetensors file .*truncated"),
     "random bytes": ("good", random_bytes, r"model.safetensors is not a readable safetensors file \(header length"),
     "vocab_size mismatch": (
-        "good", lambda f: edit_config(f, vocab_size=999), r"tensor \S+ in \S+model.safetensors has shape \[1024, 64\] "
+        "good",
+        lambda f: edit_config(f, vocab_size=999),
+        r"tensor \S+ in \S+model.safetensors has shape \[1024, 64\] "
         r"but \S+config.json implies \[999, 64\]",
     ),
     "hidden_size mismatch": (
-        "good", lambda f: edit_config(f, hidden_size=128, head_dim=64), r"has shape \[\d+, 64\] but \S+ implies \[",
+        "good",
+        lambda f: edit_config(f, hidden_size=128, head_dim=64),
+        r"has shape \[\d+, 64\] but \S+ implies \[",
     ),
     "missing shard": ("sharded", missing_shard, r"index.json lists 1 shard\(s\) missing .*copy every shard"),
     "no tokenizer files": ("good", no_tokenizer, r"has no tokenizer files .* or set sft.model.tokenizer to one"),
     "broken tokenizer.json": ("good", broken_tokenizer, r"the tokenizer at \S+ does not load \(.*\); fix or re-save"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -90,6 +98,8 @@ def test_bad_separate_tokenizer_is_refused(models, tmp_path, refused):
     shutil.copytree(models["good"], folder)
     (folder / "tokenizer.json").write_text(json.dumps({"not": "a tokenizer"}))
     refused(
-        "sft", f"sft.model.name_or_path={models['good']}", f"sft.model.tokenizer={folder}",
+        "sft",
+        f"sft.model.name_or_path={models['good']}",
+        f"sft.model.tokenizer={folder}",
         match=r"^error: 'sft.model.tokenizer': the tokenizer at \S+ does not load",
-    )  # fmt: skip
+    )

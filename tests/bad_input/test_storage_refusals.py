@@ -15,9 +15,15 @@ import pytest
 from rlhf_core.ports import free_port
 
 AWS_VARS = (
-    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-    "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
-)  # fmt: skip
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+)
 
 
 @pytest.fixture
@@ -59,9 +65,10 @@ def test_run_uri_under_an_existing_file(tmp_path, refused):
 
 def test_unsupported_scheme(refused):
     refused(
-        "sft", "run_uri=ftp://files.example.com/runs/x",
+        "sft",
+        "run_uri=ftp://files.example.com/runs/x",
         match=r"(run_uri|store) 'ftp://files.example.com/runs/x': scheme 'ftp' is not supported; use a local path, file://",
-    )  # fmt: skip
+    )
 
 
 def test_read_only_folder(tmp_path, refused):
@@ -81,19 +88,24 @@ def test_read_only_folder(tmp_path, refused):
 def test_s3_endpoint_on_a_closed_port(aws_env, refused):
     endpoint = f"http://127.0.0.1:{free_port()}"
     line = refused(
-        "sft", f"storage.endpoint_url={endpoint}", "run_uri=s3://bucket/x",
+        "sft",
+        f"storage.endpoint_url={endpoint}",
+        "run_uri=s3://bucket/x",
         match=rf"run_uri 's3://bucket/x': cannot reach the S3 endpoint {re.escape(endpoint)}",
-    )  # fmt: skip
+    )
     assert aws_env["AWS_ACCESS_KEY_ID"] not in line and aws_env["AWS_SECRET_ACCESS_KEY"] not in line
 
 
 def test_s3_missing_bucket(s3_server, aws_env, refused):
     uri = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
     line = refused(
-        "sft", f"storage.endpoint_url={s3_server.endpoint_url}", f"storage.key={s3_server.key}",
-        f"storage.secret={s3_server.secret}", f"run_uri={uri}",
+        "sft",
+        f"storage.endpoint_url={s3_server.endpoint_url}",
+        f"storage.key={s3_server.key}",
+        f"storage.secret={s3_server.secret}",
+        f"run_uri={uri}",
         match=rf"run_uri '{uri}': bucket 'no-such-bucket-\w+' does not exist at {re.escape(s3_server.endpoint_url)}",
-    )  # fmt: skip
+    )
     assert s3_server.key not in line and s3_server.secret not in line
 
 
@@ -101,10 +113,13 @@ def test_s3_wrong_secret(s3_server, aws_env, refused):
     wrong, endpoint = "wrong-" + uuid.uuid4().hex, s3_server.endpoint_url
     uri = f"s3://{s3_server.bucket}/run-{uuid.uuid4().hex[:8]}"
     line = refused(
-        "sft", f"storage.endpoint_url={s3_server.endpoint_url}", f"storage.key={s3_server.key}",
-        f"storage.secret={wrong}", f"run_uri={uri}",
+        "sft",
+        f"storage.endpoint_url={s3_server.endpoint_url}",
+        f"storage.key={s3_server.key}",
+        f"storage.secret={wrong}",
+        f"run_uri={uri}",
         match=rf"run_uri '{uri}': access to bucket '{s3_server.bucket}' at {re.escape(endpoint)} denied: check",
-    )  # fmt: skip
+    )
     assert wrong not in line and s3_server.secret not in line and s3_server.key not in line
 
 
@@ -112,7 +127,9 @@ def test_s3_unknown_key_from_the_environment(s3_server, aws_env, refused):
     """Credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY that the server does not know."""
     uri = f"s3://{s3_server.bucket}/run-{uuid.uuid4().hex[:8]}"
     line = refused(
-        "sft", f"storage.endpoint_url={s3_server.endpoint_url}", f"run_uri={uri}",
+        "sft",
+        f"storage.endpoint_url={s3_server.endpoint_url}",
+        f"run_uri={uri}",
         match=rf"run_uri '{uri}': access to bucket '{s3_server.bucket}' .* denied: check storage.key",
-    )  # fmt: skip
+    )
     assert aws_env["AWS_ACCESS_KEY_ID"] not in line and aws_env["AWS_SECRET_ACCESS_KEY"] not in line

@@ -93,9 +93,8 @@ def _batch_path_worker(port: int, run_dir: str, out: str) -> None:
     from rlhf_core.data.examples import sft_examples
     from rlhf_core.distributed.actor import PolicyActor
     from rlhf_core.distributed.critic import CriticActor
-    from rlhf_core.distributed.trainer import SupervisedTrainer
     from rlhf_core.jobs import common
-    from rlhf_core.jobs.sft import SFTImpl
+    from rlhf_core.jobs.sft import SFTTrainer
     from rlhf_core.models.builders import load_tokenizer
     from tests.distributed.test_roles import experience, role_context
 
@@ -150,13 +149,13 @@ def _batch_path_worker(port: int, run_dir: str, out: str) -> None:
     train = sft_examples(section.data, tok, "train", {})
     held_out = sft_examples(section.data, tok, "eval", {})[:4]
 
-    class WatchedSFT(SFTImpl):
+    class WatchedSFT(SFTTrainer):
         def build_model(self, *args, **kwargs):
             model = super().build_model(*args, **kwargs)
             watch("sft", model)
             return model
 
-    SupervisedTrainer(WatchedSFT(), st.context(), train, held_out).fit()
+    WatchedSFT(st.context(), train, held_out).fit()
     Path(out).write_text(json.dumps(seen))
 
 

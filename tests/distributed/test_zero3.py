@@ -16,21 +16,28 @@ import torch.multiprocessing as mp
 from rlhf_core.algos.batching import make_sequences
 from rlhf_core.config import OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
 from rlhf_core.distributed import launcher
+from rlhf_core.distributed.checkpoints import rank_files
 from rlhf_core.distributed.critic import CriticActor
 from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
-from rlhf_core.distributed.trainer import rank_files
 from rlhf_core.models.builders import build_causal_lm, build_scalar_model, init_from_config, load_tokenizer
 from rlhf_core.storage import ObjectStore
 from tests.ray_cluster import free_port
 
 # About 337M parameters, 1.35 GB in fp32: larger than a rank may hold while it is built.
 BIG_LLAMA = dict(
-    vocab_size=8192, hidden_size=2048, intermediate_size=5504, num_hidden_layers=6, num_attention_heads=16,
-    num_key_value_heads=16, head_dim=128, max_position_embeddings=256, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=8192,
+    hidden_size=2048,
+    intermediate_size=5504,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=128,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 
 
 def _zero3_strategy() -> DeepSpeedStrategy:
@@ -40,8 +47,14 @@ def _zero3_strategy() -> DeepSpeedStrategy:
 
 def _rank_main(rank: int, port: int, queue, jobs: tuple[str, ...]) -> None:
     """One rank: build under ``DeepSpeedStrategy.model_init()`` for each of ``jobs`` and report to the parent."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), RLHF_DEVICE="cpu")  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        RLHF_DEVICE="cpu",
+    )
     torch.set_num_threads(1)
     import deepspeed
 
@@ -124,10 +137,18 @@ def test_zero3_construction_keeps_the_fixed_seed_weights_of_the_plain_build(two_
     """Built partitioned over 2 ranks, the builtin causal LM and the scalar model (fresh head included) gather to
     exactly the weights of the plain single-process build with the same seed."""
     tok = load_tokenizer("builtin:tiny")
-    plain = {f"lm:{n}": p for n, p in build_causal_lm("builtin:tiny", tok, seed=3, dtype=torch.float32,
-                                                       attn="sdpa").named_parameters()}  # fmt: skip
-    plain.update({f"rm:{n}": p for n, p in build_scalar_model("builtin:tiny", tok, seed=3, dtype=torch.float32,
-                                                               attn="sdpa").named_parameters()})  # fmt: skip
+    plain = {
+        f"lm:{n}": p
+        for n, p in build_causal_lm("builtin:tiny", tok, seed=3, dtype=torch.float32, attn="sdpa").named_parameters()
+    }
+    plain.update(
+        {
+            f"rm:{n}": p
+            for n, p in build_scalar_model(
+                "builtin:tiny", tok, seed=3, dtype=torch.float32, attn="sdpa"
+            ).named_parameters()
+        }
+    )
     gathered = next(r["tiny"] for r in two_rank_builds if r["tiny"] is not None)
     assert gathered.keys() == plain.keys()
     worst = max((p.detach() - torch.from_numpy(gathered[n])).abs().max().item() for n, p in plain.items())
@@ -195,13 +216,24 @@ def test_frozen_roles_as_zero3_engines_match_plain_replicas(ray_cluster, tmp_pat
 
 def _critic_context(tmp_path: Path) -> RoleContext:
     return RoleContext(
-        stage="z3", role="critic", model_path="builtin:tiny", tokenizer_path=None, init_seed=3,
-        strategy=StrategyConfig(num_workers=2, zero_stage=3, precision="fp32", threads_per_worker=1,
-                                cpus_per_worker=0.5, device="cpu"),
-        optim=OptimConfig(lr=1e-3), batch=TrainConfig(train_batch_size=2, micro_train_batch_size=1),
-        micro_rollout_batch_size=2, total_optimizer_steps=2, algo=PPOAlgoConfig(), seed=7,
-        run_uri=str(tmp_path / "run"), storage_options={}, work_dir=str(tmp_path / "work"),
-    )  # fmt: skip
+        stage="z3",
+        role="critic",
+        model_path="builtin:tiny",
+        tokenizer_path=None,
+        init_seed=3,
+        strategy=StrategyConfig(
+            num_workers=2, zero_stage=3, precision="fp32", threads_per_worker=1, cpus_per_worker=0.5, device="cpu"
+        ),
+        optim=OptimConfig(lr=1e-3),
+        batch=TrainConfig(train_batch_size=2, micro_train_batch_size=1),
+        micro_rollout_batch_size=2,
+        total_optimizer_steps=2,
+        algo=PPOAlgoConfig(),
+        seed=7,
+        run_uri=str(tmp_path / "run"),
+        storage_options={},
+        work_dir=str(tmp_path / "work"),
+    )
 
 
 @pytest.mark.slow

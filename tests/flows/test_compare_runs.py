@@ -28,8 +28,14 @@ def two_runs(prefect_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
     folders = []
     for name, lr in LEARNING_RATES.items():
-        params = PipelineParams(preset="tiny", run_name=name, run_uri=str(root / name), stages=["sft"],
-                                overrides=[*SMALL, f"sft.optim.lr={lr}"], task_retries=0)  # fmt: skip
+        params = PipelineParams(
+            preset="tiny",
+            run_name=name,
+            run_uri=str(root / name),
+            stages=["sft"],
+            overrides=[*SMALL, f"sft.optim.lr={lr}"],
+            task_retries=0,
+        )
         summary = rlhf_pipeline(params)
         assert [(row["stage"], row["state"]) for row in summary["stages"]] == [("sft", "Completed")], summary
         folders.append(root / name)
@@ -48,7 +54,7 @@ def test_compare_overlays_two_real_runs(two_runs, tmp_path, monkeypatch, capsys)
     assert table(section(text, "Config differences")) == {
         "key": ["lr-low", "lr-high"],
         "`sft.optim.lr`": ["0.0001", "0.003"],
-    }  # fmt: skip
+    }
     # Both runs' logged loss curves are in the one SFT image.
     histories = {run.name: json.loads((run / "sft" / "metrics.json").read_text())["history"] for run in two_runs}
     assert drawn == {"sft: lr-low vs lr-high": histories}

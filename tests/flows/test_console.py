@@ -27,13 +27,19 @@ def run_events() -> list[dict]:
         {"event": "started", "stage": "sft", "kind": "sft", "attempt": 1},
         *sft_steps(),
         {"event": "finished", "stage": "sft", "kind": "sft", "state": "Completed", "duration_s": 31.24, "metrics": {}},
-        {"event": "finished", "stage": "reward_model", "kind": "reward_model", "state": "Cached", "duration_s": 0.2,
-         "metrics": {"eval_accuracy": 0.9}},
+        {
+            "event": "finished",
+            "stage": "reward_model",
+            "kind": "reward_model",
+            "state": "Cached",
+            "duration_s": 0.2,
+            "metrics": {"eval_accuracy": 0.9},
+        },
         {"event": "started", "stage": "ppo", "kind": "ppo", "attempt": 2},
         {"event": "resumed", "stage": "ppo", "step": 4},
         {"event": "step", "stage": "ppo", "step": 5, "total": 12, "time": 200.0, "metrics": ppo_metrics},
         {"event": "step", "stage": "ppo", "step": 6, "total": 12, "time": 202.0, "metrics": ppo_metrics},
-    ]  # fmt: skip
+    ]
 
 
 def show(events: list[dict], terminal: bool, clock: float = 202.0, **kwargs) -> str:
@@ -96,8 +102,10 @@ def test_plain_lines_are_throttled_to_each_tenth_or_every_n_seconds_plus_first_a
 
 
 def test_a_failed_stage_shows_its_state_and_duration():
-    events = [{"event": "started", "stage": "sft", "attempt": 1},
-              {"event": "finished", "stage": "sft", "state": "Failed", "duration_s": 3.04, "metrics": {}}]  # fmt: skip
+    events = [
+        {"event": "started", "stage": "sft", "attempt": 1},
+        {"event": "finished", "stage": "sft", "state": "Failed", "duration_s": 3.04, "metrics": {}},
+    ]
     assert show(events, terminal=False).splitlines() == ["sft: started", "sft: Failed after 3.0 s"]
     assert "Failed after 3.0 s" in ANSI.sub("", show(events, terminal=True))
 

@@ -30,7 +30,7 @@ import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.jobs import sft
-from rlhf_core.lease import LEASE_DIR
+from rlhf_core.run_layout import lease as lease_rel
 from rlhf_core.storage import ObjectStore
 from tasks._procs import head_guards
 from tests.conftest import ROOT
@@ -46,8 +46,9 @@ OVERRIDES = ["sft_b.train.save_steps=1", "sft_b.train.keep_last=8"]
 def sft_a_done(tmp_path_factory, shared_ray) -> Path:
     """sft_chain's first stage, trained once on the package's Ray: its committed output folder."""
     run_dir = tmp_path_factory.mktemp("sft-a") / "run"
-    sft.run(load_config(ROOT / "deployments" / "configs" / "sft_chain.yaml", [f"run_uri={run_dir}", *OVERRIDES]),
-            "sft_a")  # fmt: skip
+    sft.run(
+        load_config(ROOT / "deployments" / "configs" / "sft_chain.yaml", [f"run_uri={run_dir}", *OVERRIDES]), "sft_a"
+    )
     return run_dir / "sft_a"
 
 
@@ -98,13 +99,23 @@ def env(prefect_server, tmp_path):
 
 
 def start(args: list[str], env: dict, log: Path, **extra_env: str) -> subprocess.Popen:
-    return subprocess.Popen([RLHF, *args], cwd=ROOT, env={**env, **extra_env}, stdout=log.open("a"),
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [RLHF, *args],
+        cwd=ROOT,
+        env={**env, **extra_env},
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def run_chain(run_dir: Path, env: dict, log: Path, **extra_env: str) -> subprocess.Popen:
-    return start(["run", "sft_chain", *OVERRIDES, "--run-name", run_dir.parent.name, "--run-uri", str(run_dir)],
-                 env, log, **extra_env)  # fmt: skip
+    return start(
+        ["run", "sft_chain", *OVERRIDES, "--run-name", run_dir.parent.name, "--run-uri", str(run_dir)],
+        env,
+        log,
+        **extra_env,
+    )
 
 
 def start_resume(run_dir: Path, env: dict, log: Path) -> subprocess.Popen:
@@ -207,7 +218,7 @@ def test_a_killed_job_is_retried_then_a_killed_orchestrator_is_resumed_at_once_n
     # Once it has committed a checkpoint of its own, the orchestrator is killed. (The killed job's trainer may still
     # commit a checkpoint or two in the seconds before Ray stops it: only a checkpoint after the takeover counts.)
     retry = wait_for(lambda: launches(run_dir)[1:2], proc, log)[0]
-    old, lease = retry["pid"], run_dir / LEASE_DIR / "sft_b.json"
+    old, lease = retry["pid"], run_dir / lease_rel("sft_b")
     wait_for(lambda: _holder(lease) == old, proc, log)
     taken_at = newest_committed(run_dir, "sft_b")
     wait_for(lambda: newest_committed(run_dir, "sft_b") > taken_at, proc, log)

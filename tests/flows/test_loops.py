@@ -21,8 +21,13 @@ STAGES = ["sft"] + [f"{s}_{i}" for i in (1, 2) for s in ITERATION]
 def test_an_iterative_dpo_run_stopped_in_iteration_2_resumes_there(prefect_server, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     # dpo_2 (the only stage that checkpoints) fails on purpose after its checkpoint at step 2
-    params = PipelineParams(preset=PRESET, run_name="iter-dpo", run_uri=str(run_dir), task_retries=0,
-                            overrides=["dpo_2.train.save_steps=2"])  # fmt: skip
+    params = PipelineParams(
+        preset=PRESET,
+        run_name="iter-dpo",
+        run_uri=str(run_dir),
+        task_retries=0,
+        overrides=["dpo_2.train.save_steps=2"],
+    )
     monkeypatch.setenv("RLHF_FAIL_AFTER_STEP", "2")
     with pytest.raises(Exception, match="injected failure after checkpoint at step 2"):
         rlhf_pipeline(params)

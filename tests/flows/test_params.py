@@ -37,6 +37,11 @@ def test_cli_resume_of_an_unknown_run_fails_clearly(tmp_path):
 
     from tests.conftest import ROOT
 
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "resume", "nope", "--run-uri", str(tmp_path / "x")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "resume", "nope", "--run-uri", str(tmp_path / "x")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "no run named 'nope'" in result.stderr, result.stderr

@@ -21,16 +21,20 @@ from prefect.deployments import run_deployment
 from prefect.states import Cancelling
 
 from deployments.deploy import deploy
-from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline, summary_markdown
-from rlhf_core.jobs.ppo import SEQUENTIAL_PHASES
+from flows.report import summary_markdown
+from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
 from tasks._launch import ROOT
 from tasks._procs import head_guards
 
 pytestmark = pytest.mark.slow
 
 # The tiny preset, a little smaller still.
-FAST = ["sft.data.max_samples=256", "reward_model.data.max_samples=512", "ppo.train.max_steps=4",
-        "ppo.train.eval_prompts=16"]  # fmt: skip
+FAST = [
+    "sft.data.max_samples=256",
+    "reward_model.data.max_samples=512",
+    "ppo.train.max_steps=4",
+    "ppo.train.eval_prompts=16",
+]
 
 
 def launches(run_dir) -> list[str]:
@@ -45,8 +49,17 @@ def states(summary: dict) -> dict[str, str]:
 STAGES = ["sft", "reward_model", "critic_init", "critic_warmup", "ppo"]
 # The tiny preset's PPO step phases (it has a KL penalty: a reference policy), besides the step itself.
 ROLES = ("actor", "reference", "critic", "reward")
-PPO_PHASES = ["generation", "experience", *(f"experience_{r}" for r in ROLES), "advantages", "train", "critic_train",
-              "actor_train", "weight_sync", "checkpoint"]  # fmt: skip
+PPO_PHASES = [
+    "generation",
+    "experience",
+    *(f"experience_{r}" for r in ROLES),
+    "advantages",
+    "train",
+    "critic_train",
+    "actor_train",
+    "weight_sync",
+    "checkpoint",
+]
 
 
 def ray_heads_of_runs() -> set[int]:
@@ -74,8 +87,12 @@ def deployed_run(prefect_server, work_pool, tmp_path_factory):
     """The tiny pipeline deployed and run once on the process worker, with one Ray for its stage jobs
     (``shared_ray``): (the flow run, its run folder, the Ray heads of runs that were there before it)."""
     run_dir = tmp_path_factory.mktemp("deployed") / "run"
-    deploy(work_pool["pool"], cron="0 3 * * *", names=["tiny-nightly"],
-           overrides={"run_uri": str(run_dir), "overrides": FAST, "shared_ray": True})  # fmt: skip
+    deploy(
+        work_pool["pool"],
+        cron="0 3 * * *",
+        names=["tiny-nightly"],
+        overrides={"run_uri": str(run_dir), "overrides": FAST, "shared_ray": True},
+    )
     heads_before = ray_heads_of_runs()
     flow_run = run_deployment("rlhf-pipeline/tiny-nightly", timeout=900)
     assert flow_run.state.is_completed(), (flow_run.state, work_pool["worker_log"].read_text()[-3000:])
@@ -95,7 +112,8 @@ def test_deployed_pipeline_runs_on_a_process_worker(deployed_run):
     phases = [*PPO_PHASES, "step"]
     for h in ppo_out["history"]:
         assert {f"timing/{p}_s" for p in phases} <= h.keys(), sorted(h)
-        assert sum(h.get(f"timing/{p}_s", 0.0) for p in SEQUENTIAL_PHASES) <= h["timing/step_s"]
+        nested = {*(f"experience_{r}" for r in ROLES), "actor_train", "critic_train"}  # within experience, train
+        assert sum(h[f"timing/{p}_s"] for p in PPO_PHASES if p not in nested) <= h["timing/step_s"]
         assert max(h[f"timing/experience_{r}_s"] for r in ROLES) <= h["timing/experience_s"]
         assert max(h["timing/actor_train_s"], h["timing/critic_train_s"]) <= h["timing/train_s"]
         assert min(h[f"timing/{p}_s"] for p in ("generation", "actor_train", "critic_train", "weight_sync")) > 0
@@ -111,8 +129,17 @@ def test_deployed_pipeline_runs_on_a_process_worker(deployed_run):
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
         )
         by_key = {a.key: a for a in artifacts}
-        for key in ("run-summary", "resolved-config", "sft-metrics", "reward-model-metrics", "ppo-metrics",
-                    "sft-progress", "ppo-progress", "ppo-timing", "critic-warmup-timing"):  # fmt: skip
+        for key in (
+            "run-summary",
+            "resolved-config",
+            "sft-metrics",
+            "reward-model-metrics",
+            "ppo-metrics",
+            "sft-progress",
+            "ppo-progress",
+            "ppo-timing",
+            "critic-warmup-timing",
+        ):
             assert key in by_key, sorted(by_key)
         assert by_key["sft-progress"].data == 100.0
         # PPO's timing summary in its metrics table, and one row per phase in its timing table
@@ -127,7 +154,7 @@ def test_deployed_pipeline_runs_on_a_process_worker(deployed_run):
         assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
     messages = run_logs(flow_run.id)
     # The stage job's own output, Ray workers' lines included (prefixed with the worker's role), is in the run log.
-    assert "[sft] step" in messages and "SupervisedTrainer rank 0 pid=" in messages
+    assert "[sft] step" in messages and "SFTTrainer rank 0 pid=" in messages
     # One Ray for the run (shared_ray): each of the 4 stage jobs that use Ray (critic_init copies a model) joined the
     # head the flow started, none started a Ray of its own, and the head is gone with the run.
     assert "the stage jobs join the run's Ray at 127.0.0.1:" in messages
@@ -151,10 +178,12 @@ def test_the_prefect_ui_renders_each_stage_curves(deployed_run, prefect_server):
     with get_client(sync_client=True) as client:
         keys = [f"{stage.replace('_', '-')}-curves" for stage in CURVE_STAGES]
         versions = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]),
-                                           key=ArtifactFilterKey(any_=keys)),
-            sort=ArtifactSort.CREATED_DESC, limit=200,
-        )[::-1]  # fmt: skip
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]), key=ArtifactFilterKey(any_=keys)
+            ),
+            sort=ArtifactSort.CREATED_DESC,
+            limit=200,
+        )[::-1]
     latest = {a.key: a for a in versions}  # oldest first: the last one of a key is its latest version
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
@@ -165,11 +194,15 @@ def test_the_prefect_ui_renders_each_stage_curves(deployed_run, prefect_server):
             page.goto(f"{prefect_server['ui']}/artifacts/artifact/{artifact.id}")
             alt = f"{stage} curves"
             page.wait_for_function(
-                "alt => [...document.images].some(i => i.alt === alt && i.complete && i.naturalWidth > 0)", arg=alt,
+                "alt => [...document.images].some(i => i.alt === alt && i.complete && i.naturalWidth > 0)",
+                arg=alt,
                 timeout=60_000,
-            )  # fmt: skip
-            size = page.evaluate("alt => [...document.images].filter(i => i.alt === alt)"
-                                 ".map(i => [i.naturalWidth, i.naturalHeight])[0]", alt)  # fmt: skip
+            )
+            size = page.evaluate(
+                "alt => [...document.images].filter(i => i.alt === alt)"
+                ".map(i => [i.naturalWidth, i.naturalHeight])[0]",
+                alt,
+            )
             assert min(size) > 100, (stage, size)
             page.screenshot(path=str(SHOTS / f"{stage}-curves.png"), full_page=True)
         browser.close()
@@ -249,8 +282,9 @@ def failed_then_resumed(deployed_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume") / "run"
     shutil.copytree(deployed_run[1], run_dir, ignore=shutil.ignore_patterns("ppo", "_prefect", "_launches"))
     overrides = [*FAST, "ppo.train.save_steps=2", "critic_warmup.critic_optim.lr=1e-3"]
-    params = PipelineParams(preset="tiny", run_name="resume-test", run_uri=str(run_dir), task_retries=0,
-                            overrides=overrides)  # fmt: skip
+    params = PipelineParams(
+        preset="tiny", run_name="resume-test", run_uri=str(run_dir), task_retries=0, overrides=overrides
+    )
     mp = pytest.MonkeyPatch()
     mp.setenv("RLHF_FAIL_AFTER_STEP", "2")
     with pytest.raises(Exception, match="injected failure after checkpoint at step 2"):
@@ -289,8 +323,13 @@ def test_single_stage_run_reads_upstream_outputs_from_the_run(failed_then_resume
 
 def test_bad_input_fails_the_stage_once_without_retries(prefect_server, tmp_path):
     run_dir = tmp_path / "run"
-    params = PipelineParams(preset="tiny", run_name="bad-input", run_uri=str(run_dir), task_retries=2,
-                            overrides=["sft.data.train_path=/nonexistent/sft.jsonl"])  # fmt: skip
+    params = PipelineParams(
+        preset="tiny",
+        run_name="bad-input",
+        run_uri=str(run_dir),
+        task_retries=2,
+        overrides=["sft.data.train_path=/nonexistent/sft.jsonl"],
+    )
     with pytest.raises(Exception, match=r"exit code 2[\s\S]*/nonexistent/sft.jsonl"):
         rlhf_pipeline(params)
     assert launches(run_dir) == ["sft"]  # refused input is not retried
@@ -303,8 +342,9 @@ def test_a_task_retry_resumes_ppo_from_its_checkpoint(failed_then_resumed, tmp_p
     run_dir = tmp_path / "run"  # the finished upstream stages of that run, without PPO
     shutil.copytree(source, run_dir, ignore=shutil.ignore_patterns("ppo", "_prefect", "_launches"))
     monkeypatch.setenv("RLHF_FAIL_AFTER_STEP", "2")
-    summary = rlhf_pipeline(params.model_copy(update={"run_name": "retry-test", "run_uri": str(run_dir),
-                                                      "task_retries": 1}))  # fmt: skip
+    summary = rlhf_pipeline(
+        params.model_copy(update={"run_name": "retry-test", "run_uri": str(run_dir), "task_retries": 1})
+    )
     assert states(summary)["ppo"] == "Completed"
     assert launches(run_dir).count("ppo") == 2  # the failed attempt and its retry
     ppo = [r for r in summary["stages"] if r["stage"] == "ppo"][0]

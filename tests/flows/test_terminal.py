@@ -38,8 +38,14 @@ def test_a_terminal_shows_live_bars_and_a_log_file_plain_lines_with_the_cached_s
     # 1. in a pseudo-terminal: bars
     started = time.time()
     cmd = shlex.join([RLHF, *args])
-    tty = subprocess.run(["script", "-qefc", cmd, "/dev/null"], cwd=ROOT, env=run_env, stdin=subprocess.DEVNULL,
-                         capture_output=True, timeout=600)  # fmt: skip
+    tty = subprocess.run(
+        ["script", "-qefc", cmd, "/dev/null"],
+        cwd=ROOT,
+        env=run_env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=600,
+    )
     out = tty.stdout.decode("utf-8", "replace")
     assert tty.returncode == 0, out[-4000:]
     print(f"tty run: {time.time() - started:.0f} s")
@@ -59,8 +65,15 @@ def test_a_terminal_shows_live_bars_and_a_log_file_plain_lines_with_the_cached_s
     started = time.time()
     stdout, stderr = tmp_path / "plain.out", tmp_path / "plain.log"
     with stdout.open("w") as f, stderr.open("w") as g:
-        plain = subprocess.run([RLHF, *args[:-4], "sft_b.optim.lr=5e-4", *args[-4:]], cwd=ROOT, env=run_env,
-                               stdin=subprocess.DEVNULL, stdout=f, stderr=g, timeout=600)  # fmt: skip
+        plain = subprocess.run(
+            [RLHF, *args[:-4], "sft_b.optim.lr=5e-4", *args[-4:]],
+            cwd=ROOT,
+            env=run_env,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=g,
+            timeout=600,
+        )
     out = stdout.read_text()
     assert plain.returncode == 0, out[-2000:] + stderr.read_text()[-4000:]
     print(f"plain run: {time.time() - started:.0f} s")

@@ -6,7 +6,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_core.config import load_config
-from rlhf_core.distributed import launcher, rollout_engine
+from rlhf_core.distributed import launcher
+from rlhf_core.distributed.rollout.group import EngineGroup
 from rlhf_core.jobs import critic_init, critic_warmup, ppo, reward_model, sft
 from tests.conftest import TINY
 
@@ -69,4 +70,4 @@ def _refuse(*args, **kwargs):
 def no_actors(monkeypatch):
     """Any Ray worker group or rollout engine started fails the test: a mistake must be refused before."""
     monkeypatch.setattr(launcher, "RayWorkerGroup", _refuse)
-    monkeypatch.setattr(rollout_engine, "create_engines", _refuse)
+    monkeypatch.setattr(EngineGroup, "create", _refuse)

@@ -58,8 +58,11 @@ def test_select_all_keeps_every_row_with_its_score():
 def test_select_best_takes_each_prompts_best_and_drops_below_threshold():
     out, dropped = select_best(ROWS, SCORES, "prompt", "response")
     assert dropped == 0
-    assert [(r["prompt"], r["response"], r["score"]) for r in out] == [("a", "y", 0.9), ("b", "u", 0.3),
-                                                                       ("c", "same", 0.7)]  # fmt: skip
+    assert [(r["prompt"], r["response"], r["score"]) for r in out] == [
+        ("a", "y", 0.9),
+        ("b", "u", 0.3),
+        ("c", "same", 0.7),
+    ]
     assert list(out[0])[:3] == ["prompt", "response", "score"] and out[0]["sample_index"] == 1  # fields kept
     out, dropped = select_best(ROWS, SCORES, "prompt", "response", threshold=0.5)
     assert [r["prompt"] for r in out] == ["a", "c"] and dropped == 1
@@ -147,9 +150,13 @@ def test_bad_reward_fn_specs_name_the_key(tmp_path, spec, message):
 
 @pytest.mark.parametrize(
     "returned, message",
-    [([1.0], "returned 1 scores for 2 rows"), ([1.0, float("nan")], "row 2: scores must be finite"),
-     ([1.0, "high"], "returned 'high' for row 2"), (None, "returned NoneType")],
-)  # fmt: skip
+    [
+        ([1.0], "returned 1 scores for 2 rows"),
+        ([1.0, float("nan")], "row 2: scores must be finite"),
+        ([1.0, "high"], "returned 'high' for row 2"),
+        (None, "returned NoneType"),
+    ],
+)
 def test_bad_reward_fn_results_name_the_function(returned, message):
     with pytest.raises(ConfigError, match="'s.reward_fn' = 'm:f'") as e:
         score.call_reward_fn(lambda p, r: returned, "m:f", "s.reward_fn", ["p", "q"], ["a", "b"])
@@ -187,8 +194,9 @@ def test_score_stage_with_a_reward_function_commits_pairs_as_parquet(tmp_path):
     """The whole score job on a fixture file, no Ray (a reward function): pairs of best and worst per prompt, ties,
     identical texts and single responses skipped; an empty response is scored (select=all) but never paired."""
     fixture = ROOT / "tests" / "data" / "generate_score" / "generated.jsonl"
-    cfg = cfg_for(tmp_path, f"score_fn.data.train_path={fixture}", "score_fn.select=pairs",
-                  "score_fn.output_format=parquet")  # fmt: skip
+    cfg = cfg_for(
+        tmp_path, f"score_fn.data.train_path={fixture}", "score_fn.select=pairs", "score_fn.output_format=parquet"
+    )
     ref = score.run(cfg, "score_fn")
     store = ObjectStore(str(tmp_path))
     assert store.read_manifest("score_fn", verify=True).extra["dataset"] == "data.parquet"
@@ -200,8 +208,10 @@ def test_score_stage_with_a_reward_function_commits_pairs_as_parquet(tmp_path):
     assert (m["rows_in"], m["rows_out"], m["prompts"], m["prompts_dropped"]) == (8, 1, 4, 3)
     assert m["margin_mean"] == pytest.approx(2 / 6 + 1 / 4)
     # max_samples: only the first rows are scored; select=all keeps every one of them with its score
-    ref = score.run(cfg_for(tmp_path, f"score_fn.data.train_path={fixture}", "score_fn.select=all",
-                            "score_fn.data.max_samples=3"), "score_fn")  # fmt: skip
+    ref = score.run(
+        cfg_for(tmp_path, f"score_fn.data.train_path={fixture}", "score_fn.select=all", "score_fn.data.max_samples=3"),
+        "score_fn",
+    )
     rows = read_dataset(store, "score_fn")
     assert [r["score"] for r in rows] == pytest.approx([2 / 6, -1 / 4, 1 / 4]) and ref.metrics["rows_out"] == 3
 

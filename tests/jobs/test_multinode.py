@@ -19,7 +19,7 @@ import pytest
 from rlhf_core.config import ConfigError
 from rlhf_core.distributed import launcher, node_files
 from rlhf_core.distributed.node_files import StageModel, local_model_path, read_log, stage_model
-from rlhf_core.jobs import ppo
+from rlhf_core.distributed.placement import RoleSet, check_fits, resource_demand
 from rlhf_core.storage import ArtifactError, ObjectStore
 from tests.conftest import ROOT, TINY
 from tests.conftest_s3 import s3_storage_options
@@ -130,29 +130,34 @@ NODE_B = {"CPU": 3.0, "node_b": 100.0}
 
 def test_pinned_roles_ask_ray_for_their_resources(tmp_path):
     p = cfg_for(tmp_path, *PINNED).stage("ppo")
-    demand = ppo.resource_demand(p, "cpu")
+    demand = resource_demand(p, RoleSet.of(p), "cpu")
     assert demand["node_a"] == 2 and demand["node_b"] == 3  # actor + engine; critic + reward + reference
-    ppo.check_fits("ppo", p, "cpu", {"CPU": 6, "node_a": 100, "node_b": 100}, [NODE_A, NODE_B])
+    check_fits("ppo", p, RoleSet.of(p), "cpu", {"CPU": 6, "node_a": 100, "node_b": 100}, [NODE_A, NODE_B])
 
 
 def test_missing_or_scarce_resources_are_refused_naming_the_key(tmp_path):
     p = cfg_for(tmp_path, *PINNED).stage("ppo")
     node_b_keys = r"'ppo.critic_strategy.resources', 'ppo.reward_resources', 'ppo.reference_resources'"
     with pytest.raises(ConfigError, match=node_b_keys + r" ask for Ray resource 'node_b', which no node"):
-        ppo.check_fits("ppo", p, "cpu", {"CPU": 6, "node_a": 100}, [NODE_A, {"CPU": 3.0}])
-    with pytest.raises(ConfigError, match=r"'ppo.actor_strategy.resources', 'ppo.rollout.resources' ask for 2 "
-                                          r"'node_a' in all .* has 1"):  # fmt: skip
-        ppo.check_fits("ppo", p, "cpu", {}, [{"CPU": 3.0, "node_a": 1.0}, NODE_B])
+        check_fits("ppo", p, RoleSet.of(p), "cpu", {"CPU": 6, "node_a": 100}, [NODE_A, {"CPU": 3.0}])
+    with pytest.raises(
+        ConfigError,
+        match=r"'ppo.actor_strategy.resources', 'ppo.rollout.resources' ask for 2 "
+        r"'node_a' in all .* has 1",
+    ):
+        check_fits("ppo", p, RoleSet.of(p), "cpu", {}, [{"CPU": 3.0, "node_a": 1.0}, NODE_B])
     with pytest.raises(ConfigError, match=r"pinned to 'node_b' need 2 CPU but the nodes with 'node_b' have 1"):
-        ppo.check_fits("ppo", p, "cpu", {}, [NODE_A, {"CPU": 1.0, "node_b": 100.0}])
+        check_fits("ppo", p, RoleSet.of(p), "cpu", {}, [NODE_A, {"CPU": 1.0, "node_b": 100.0}])
     # without per-node figures, the cluster's totals
+    boxed = cfg_for(tmp_path, "ppo.rollout.resources={gpu_box: 1}").stage("ppo")
     with pytest.raises(ConfigError, match="'ppo.rollout.resources' ask for Ray resource 'gpu_box'"):
-        ppo.check_fits("ppo", cfg_for(tmp_path, "ppo.rollout.resources={gpu_box: 1}").stage("ppo"), "cpu", {"CPU": 64})
+        check_fits("ppo", boxed, RoleSet.of(boxed), "cpu", {"CPU": 64})
     with pytest.raises(ConfigError, match="'sft.strategy.resources' names CPU"):
         launcher.check_resources({"sft.strategy.resources": (1, 1.0, {"CPU": 2.0})}, [NODE_A])
     colocated = cfg_for(tmp_path, "ppo.colocate_critic_reward=true", "ppo.critic_strategy.resources={node_b: 1}")
+    placed = colocated.stage("ppo")
     with pytest.raises(ConfigError, match="'ppo.critic_strategy.resources' pins a colocated role"):
-        ppo.check_fits("ppo", colocated.stage("ppo"), "cpu", {"CPU": 64, "node_b": 100})
+        check_fits("ppo", placed, RoleSet.of(placed), "cpu", {"CPU": 64, "node_b": 100})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -204,8 +209,9 @@ def test_ppo_on_an_existing_two_node_cluster_with_node_local_models(ppo_inputs, 
     driver_work = tmp_path / "driver"
     started = time.time()
     # actor + engine on node_a; critic, reward and reference on node_b; one PPO step, no evaluation
-    job = _job("ppo", address, driver_work, f"run_uri={run}", "ppo.train.max_steps=1", "ppo.train.eval_prompts=0",
-               *PINNED)  # fmt: skip
+    job = _job(
+        "ppo", address, driver_work, f"run_uri={run}", "ppo.train.max_steps=1", "ppo.train.eval_prompts=0", *PINNED
+    )
     ppo_s = time.time() - started
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
     assert ObjectStore(str(run)).is_complete("ppo")
@@ -230,8 +236,15 @@ def test_ppo_on_an_existing_two_node_cluster_with_node_local_models(ppo_inputs, 
 
     # A supervised job on the same cluster: the reward model from stage:sft, pinned to node_b, reuses that node's copy.
     started = time.time()
-    job = _job("reward_model", address, driver_work, f"run_uri={run}", "reward_model.train.max_steps=1",
-               "reward_model.data.max_samples=64", "reward_model.strategy.resources={node_b: 1}")  # fmt: skip
+    job = _job(
+        "reward_model",
+        address,
+        driver_work,
+        f"run_uri={run}",
+        "reward_model.train.max_steps=1",
+        "reward_model.data.max_samples=64",
+        "reward_model.strategy.resources={node_b: 1}",
+    )
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
     print(f"reward model on node_b in {time.time() - started:.0f}s")
     log_b = _node_log(temp_dirs["node_b"])
@@ -250,13 +263,13 @@ CHECK = """
 import json, sys
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.distributed import launcher
-from rlhf_core.jobs import ppo
+from rlhf_core.distributed.placement import RoleSet, check_fits
 p = load_config(sys.argv[1], sys.argv[2:]).stage("ppo")
 launcher.init_ray()
 nodes = launcher.node_resources()
 print(json.dumps([[k for k in n if k.startswith("node_")] for n in nodes]))
 try:
-    ppo.check_fits("ppo", p, "cpu", launcher.cluster_resources(), nodes)
+    check_fits("ppo", p, RoleSet.of(p), "cpu", launcher.cluster_resources(), nodes)
 except ConfigError as e:
     print(f"ConfigError: {e}")
 """

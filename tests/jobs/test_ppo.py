@@ -9,8 +9,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from rlhf_core.config import ConfigError
 from rlhf_core.data.sampler import global_batch
-from rlhf_core.distributed import launcher, rollout_engine
-from rlhf_core.jobs import ppo
+from rlhf_core.distributed import launcher
+from rlhf_core.distributed.placement import RoleSet, check_fits
+from rlhf_core.distributed.rollout.group import EngineGroup
 from rlhf_core.storage import ObjectStore
 from tests.jobs.conftest import UPSTREAM, _refuse, cfg_for, run_ppo, weights
 
@@ -107,9 +108,14 @@ def test_frozen_actor_steps_keep_the_policy_bit_identical(run_dir, tmp_path, mon
     monkeypatch.setenv("RLHF_EVENTS_FILE", str(events_file))
     # And: short responses (many cut at max_new_tokens) with a missing-EOS penalty.
     ref = run_ppo(
-        run_dir, "ppo.train.max_steps=2", "ppo.train.freeze_actor_steps=2", "ppo.train.eval_prompts=8",
-        "ppo.algo.kl_coef=0", "ppo.rollout.max_new_tokens=6", "ppo.algo.missing_eos_penalty=-1.0",
-    )  # fmt: skip
+        run_dir,
+        "ppo.train.max_steps=2",
+        "ppo.train.freeze_actor_steps=2",
+        "ppo.train.eval_prompts=8",
+        "ppo.algo.kl_coef=0",
+        "ppo.rollout.max_new_tokens=6",
+        "ppo.algo.missing_eos_penalty=-1.0",
+    )
     policy, sft_weights = weights(run_dir, "ppo"), weights(run_dir, "sft")
     for name, value in sft_weights.items():
         assert torch.equal(policy[name], value), name
@@ -140,8 +146,13 @@ def test_frozen_actor_steps_keep_the_policy_bit_identical(run_dir, tmp_path, mon
 
 def test_ppo_resumes_at_the_checkpoint_without_skipping_or_repeating_prompts(run_dir, monkeypatch):
     # A frozen first step and a cosine schedule: the actor's LR decays over its 3 training steps (6 optimizer steps).
-    overrides = ["ppo.train.max_steps=4", "ppo.train.save_steps=2", "ppo.train.eval_prompts=0",
-                 "ppo.train.freeze_actor_steps=1", "ppo.actor_optim.lr_scheduler=cosine_with_min_lr"]  # fmt: skip
+    overrides = [
+        "ppo.train.max_steps=4",
+        "ppo.train.save_steps=2",
+        "ppo.train.eval_prompts=0",
+        "ppo.train.freeze_actor_steps=1",
+        "ppo.actor_optim.lr_scheduler=cosine_with_min_lr",
+    ]
     monkeypatch.setenv("RLHF_FAIL_AFTER_STEP", "2")
     with pytest.raises(Exception, match="injected failure after checkpoint at step 2"):
         run_ppo(run_dir, *overrides)
@@ -154,7 +165,7 @@ def test_ppo_resumes_at_the_checkpoint_without_skipping_or_repeating_prompts(run
     # Another number of actor ranks cannot load the checkpoint's shards: refused before any actor starts.
     with monkeypatch.context() as m:
         m.setattr(launcher, "RayWorkerGroup", _refuse)
-        m.setattr(rollout_engine, "create_engines", _refuse)
+        m.setattr(EngineGroup, "create", _refuse)
         with pytest.raises(ConfigError, match=r"ppo\.actor_strategy\.num_workers"):
             run_ppo(run_dir, *overrides, "ppo.actor_strategy.num_workers=2")
 
@@ -226,4 +237,5 @@ def test_engine_placement_mistakes_are_refused_before_any_actor_starts(run_dir, 
     with pytest.raises(ConfigError, match=r"'ppo.rollout.num_engines' x tensor_parallel_size = 2 exceeds the 1"):
         run_ppo(run_dir, "ppo.colocate_all=true", "ppo.rollout.num_engines=2")
     p = cfg_for(run_dir, *UPSTREAM, "ppo.rollout.backend=vllm", "ppo.rollout.tensor_parallel_size=2").stage("ppo")
-    ppo.check_fits("ppo", p, "cpu", {"CPU": 8})  # vLLM CPU runs TP=2 (tests/distributed/test_engine_placement.py)
+    # vLLM CPU runs TP=2 (tests/distributed/test_engine_placement.py)
+    check_fits("ppo", p, RoleSet.of(p), "cpu", {"CPU": 8})

@@ -10,12 +10,14 @@ import torch
 from rlhf_core import timing
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience, SequenceBatch
-from rlhf_core.algos.ppo import KL_ESTIMATORS, make_kl_controller
+from rlhf_core.algos.ppo import KL_ESTIMATORS, approx_kl, make_kl_controller
 from rlhf_core.config import PPOAlgoConfig, load_config
 from rlhf_core.distributed import launcher
+from rlhf_core.distributed.placement import RoleSet, needs_kl, resource_demand, role_workers
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.jobs import ppo
 from rlhf_core.models.builders import load_tokenizer
+from rlhf_core.rewards import RewardSources, Scored
 from tests.conftest import TINY
 
 
@@ -48,10 +50,10 @@ def controller(monkeypatch):
     monkeypatch.setattr(launcher, "wait", lambda results: results)  # results, not ObjectRefs
     tok = load_tokenizer("builtin:tiny")
     ctl = object.__new__(ppo.PPOController)
-    ctl.pad_id, ctl.eos_id = tok.pad_token_id, tok.eos_token_id
+    ctl.tokenizer, ctl.pad_id, ctl.eos_id = tok, tok.pad_token_id, tok.eos_token_id
     ctl.actor, ctl.critic, ctl.reference = InProcess(Zeros()), InProcess(Zeros()), InProcess(Zeros())
     ctl.reward = InProcess(RewardScorer("builtin:tiny", 2, "fp32", init_seed=1))
-    ctl.reward_fn, ctl.remote, ctl.stats, ctl.weights = None, None, None, {"reward": 1.0}
+    ctl.rewards = RewardSources(weights={"reward": 1.0})
     return ctl
 
 
@@ -85,14 +87,14 @@ def test_truncated_responses_are_scored_with_eos_and_penalised_before_the_clip(c
     # normalise (with the reward model's stored statistics, when the sources are combined), then the missing-EOS
     # penalty, then the clip (OpenRLHF's order); the advantages come as a new Experience
     mean, std = exp.scores.mean().item(), 0.1
-    controller.stats = (mean, std)
-    normalised = controller.combine(scored.parts)
+    controller.rewards.stats = (mean, std)
+    normalised = controller.rewards.combine(scored.parts)
     torch.testing.assert_close(normalised, (exp.scores - mean) / (std + 1e-8))
     algo = PPOAlgoConfig(missing_eos_penalty=-1.0, reward_clip=[-1.2, 1.2])
     controller.p = SimpleNamespace(algo=algo, rollout=SimpleNamespace(n_samples_per_prompt=2))
     controller.kl_ctl = make_kl_controller(0.01)
     exp = dataclasses.replace(exp, scores=normalised)
-    out, logs = controller.advantages(ppo.Scored(exp, scored.parts))
+    out, logs = controller.advantages(Scored(exp, scored.parts))
     assert isinstance(out, Experience) and exp.advantages is None and out.advantages is not None
     expected = (normalised - truncated.float()).clamp(-1.2, 1.2)
     assert logs["reward"] == pytest.approx(expected.mean().item(), abs=1e-6)
@@ -109,11 +111,13 @@ def test_the_critic_warmups_frozen_actor_is_its_own_reference(controller, tmp_pa
     warm-up steps (its actor trains after them)."""
     cfg = load_config(TINY, [f"run_uri={tmp_path}", "ppo.train.freeze_actor_steps=1"])
     warmup, stage = cfg.stage("critic_warmup"), cfg.stage("ppo")
-    assert warmup.reference is None and ppo.needs_kl(warmup.algo)
-    assert not ppo.needs_reference(warmup, train_actor=False) and ppo.reference_workers(warmup, False) == 0
-    assert ppo.needs_reference(dataclasses.replace(warmup, reference=warmup.actor), train_actor=False)
-    assert ppo.needs_reference(stage, train_actor=True) and ppo.reference_workers(stage) == stage.reference_workers
-    frozen, trained = ppo.resource_demand(warmup, "cuda", train_actor=False), ppo.resource_demand(warmup, "cuda")
+    assert warmup.reference is None and needs_kl(warmup.algo)
+    frozen_roles, stage_roles = RoleSet.of(warmup, train_actor=False), RoleSet.of(stage, train_actor=True)
+    assert not frozen_roles.reference and role_workers(warmup, frozen_roles)["reference"] == 0
+    assert RoleSet.of(dataclasses.replace(warmup, reference=warmup.actor), train_actor=False).reference
+    assert stage_roles.reference and role_workers(stage, stage_roles)["reference"] == stage.reference_workers
+    frozen = resource_demand(warmup, frozen_roles, "cuda")
+    trained = resource_demand(warmup, RoleSet.of(warmup), "cuda")
     assert trained["CPU"] - frozen["CPU"] == warmup.frozen_cpus_per_worker and trained["GPU"] - frozen["GPU"] == 1
 
     controller.reference, controller.ref_from_actor = None, True
@@ -123,7 +127,8 @@ def test_the_critic_warmups_frozen_actor_is_its_own_reference(controller, tmp_pa
     exp = scored.exp
     assert exp.ref_logprobs is exp.old_logprobs
     for estimator in KL_ESTIMATORS:
-        assert torch.equal(controller.token_kl(exp, estimator), torch.zeros_like(exp.old_logprobs)), estimator
+        kl = approx_kl(exp.old_logprobs, exp.ref_logprobs, exp.action_mask, estimator)
+        assert torch.equal(kl, torch.zeros_like(exp.old_logprobs)), estimator
     controller.p = SimpleNamespace(algo=PPOAlgoConfig(kl_coef=0.5), rollout=SimpleNamespace(n_samples_per_prompt=2))
     controller.kl_ctl = make_kl_controller(0.5)
     out, logs = controller.advantages(scored)

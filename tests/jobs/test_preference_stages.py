@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
+from rlhf_core import run_layout
 from rlhf_core.config import load_config
 from rlhf_core.data.loading import DataError
 from rlhf_core.distributed import launcher
 from rlhf_core.jobs import dpo, kto
-from rlhf_core.jobs.preference import REFERENCE_REL
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
 from tests.jobs.test_rl_family import ray_actor_names
@@ -25,8 +25,9 @@ SMALL = ["model.name_or_path=builtin:tiny", "data.max_samples=32", "data.eval_pa
 
 
 def cfg_for(kind: str, run_dir, *overrides):
-    return load_config(PRESETS / f"tiny-{kind}.yaml", [f"run_uri={run_dir}", *(f"{kind}.{o}" for o in SMALL),
-                                                       *overrides])  # fmt: skip
+    return load_config(
+        PRESETS / f"tiny-{kind}.yaml", [f"run_uri={run_dir}", *(f"{kind}.{o}" for o in SMALL), *overrides]
+    )
 
 
 @pytest.fixture
@@ -76,10 +77,21 @@ def test_the_job_cli_refuses_bad_pairs_with_one_line_and_status_2(tmp_path):
     data = pairs_file(tmp_path / "pairs.jsonl", [GOOD, BAD_ROWS["chosen equal to rejected"][0]])
     preset = PRESETS / "tiny-dpo.yaml"
     out = subprocess.run(
-        [sys.executable, "-m", "rlhf_core.jobs.dpo", "--config", str(preset), f"run_uri={tmp_path / 'run'}",
-         *(f"dpo.{o}" for o in SMALL), f"dpo.data.train_path={data}"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlhf_core.jobs.dpo",
+            "--config",
+            str(preset),
+            f"run_uri={tmp_path / 'run'}",
+            *(f"dpo.{o}" for o in SMALL),
+            f"dpo.data.train_path={data}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and f"{data} row 2" in lines[0] and "same" in lines[0], out.stderr[-2000:]
@@ -91,9 +103,9 @@ def test_dpo_reference_log_probs_are_stored_once_and_reused_and_match_online(tmp
     before = ray_actor_names()
     ref = dpo.run(cfg_for("dpo", run_dir), "dpo")
     # the reference is the starting policy: the training rank scored it before its first step, no reference group
-    assert {name.split(":")[0] for name in ray_actor_names() - before} == {"SupervisedTrainer"}
+    assert {name.split(":")[0] for name in ray_actor_names() - before} == {"DPOTrainer"}
     store = ObjectStore(str(run_dir))
-    rel = f"dpo/{REFERENCE_REL}"
+    rel = run_layout.reference_logprobs("dpo")
     stored = store.read_manifest(rel, verify=True)
     assert stored.config_hash == ref.config_hash and stored.extra["sequences"] == {"train": 64}  # 32 pairs x 2
     assert ref.metrics["loss_start"] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference at step 1

@@ -22,8 +22,14 @@ from tests.test_tracking import scalars
 pytestmark = pytest.mark.slow
 
 SHORT = ("ppo.train.eval_prompts=0", "ppo.train.max_steps=2")
-GRPO = ("ppo.critic=null", "ppo.algo.advantage_estimator=grpo", "ppo.rollout.n_samples_per_prompt=4",
-        "ppo.train.train_batch_size=32", "ppo.algo.kl_mode=loss", "ppo.algo.kl_estimator=k3")  # fmt: skip
+GRPO = (
+    "ppo.critic=null",
+    "ppo.algo.advantage_estimator=grpo",
+    "ppo.rollout.n_samples_per_prompt=4",
+    "ppo.train.train_batch_size=32",
+    "ppo.algo.kl_mode=loss",
+    "ppo.algo.kl_estimator=k3",
+)
 
 
 def ray_actor_names() -> set[str]:
@@ -58,8 +64,11 @@ def test_a_critic_free_run_starts_no_critic_actor_and_writes_no_critic(run_dir):
 
 
 def _server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "reward_server.py"), "--port", str(port)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "reward_server.py"), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert "listening on" in proc.stdout.readline()
     return proc
 
@@ -67,9 +76,16 @@ def _server(port: int) -> subprocess.Popen:
 def test_a_remote_reward_server_scores_ppo_and_an_outage_fails_then_resumes(run_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}/score"
-    overrides = ("ppo.reward=null", f"ppo.remote_rm_url={url}", "ppo.remote_rm.retries=1",
-                 "ppo.remote_rm.backoff_s=0.1", "ppo.remote_rm.timeout_s=5", "ppo.train.eval_prompts=0",
-                 "ppo.train.max_steps=4", "ppo.train.save_steps=1")  # fmt: skip
+    overrides = (
+        "ppo.reward=null",
+        f"ppo.remote_rm_url={url}",
+        "ppo.remote_rm.retries=1",
+        "ppo.remote_rm.backoff_s=0.1",
+        "ppo.remote_rm.timeout_s=5",
+        "ppo.train.eval_prompts=0",
+        "ppo.train.max_steps=4",
+        "ppo.train.save_steps=1",
+    )
     store = ObjectStore(str(run_dir))
     server = _server(port)
 

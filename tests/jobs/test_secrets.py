@@ -62,19 +62,37 @@ def test_no_credential_in_any_refusal_or_config_copy(s3_server, tmp_path):
     key, secret = s3_server.key, s3_server.secret
     run_uri = f"s3://{s3_server.bucket}/secrets/{tmp_path.name}"
     logs, work = tmp_path / "logs", tmp_path / "scratch"
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
-           "AWS_ENDPOINT_URL": s3_server.endpoint_url, "RLHF_LOG_DIR": str(logs),
-           "RLHF_WORK_DIR": str(work)}  # fmt: skip
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+        "RLHF_LOG_DIR": str(logs),
+        "RLHF_WORK_DIR": str(work),
+    }
     env.pop("RAY_ADDRESS", None)
     ray_before = ray_sessions()
     outputs: dict[str, str] = {}
 
     def job(name: str, *overrides: str, config: Path = TINY, **extra: str) -> subprocess.CompletedProcess:
         result = subprocess.run(
-            [sys.executable, "-m", "rlhf_core.jobs.sft", "--config", str(config),
-             "--ref-out", str(tmp_path / "ref.json"), f"run_uri={run_uri}", *overrides],
-            cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "rlhf_core.jobs.sft",
+                "--config",
+                str(config),
+                "--ref-out",
+                str(tmp_path / "ref.json"),
+                f"run_uri={run_uri}",
+                *overrides,
+            ],
+            cwd=ROOT,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         outputs.update({f"{name} stdout": result.stdout, f"{name} stderr": result.stderr})
         return result
 
@@ -87,8 +105,13 @@ def test_no_credential_in_any_refusal_or_config_copy(s3_server, tmp_path):
     preset = tmp_path / "with-credentials.yaml"
     text = TINY.read_text().replace("stages:", f"storage: {{key: {key}, secret: {secret}}}\nstages:", 1)
     preset.write_text(text)
-    from_file = job("preset file", f"storage.endpoint_url=http://127.0.0.1:{closed_port()}", config=preset,
-                    AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="")  # fmt: skip
+    from_file = job(
+        "preset file",
+        f"storage.endpoint_url=http://127.0.0.1:{closed_port()}",
+        config=preset,
+        AWS_ACCESS_KEY_ID="",
+        AWS_SECRET_ACCESS_KEY="",
+    )
     assert from_file.returncode == 2, from_file.stderr
     # the config copy a flow saves with the run, of a config holding both
     outputs["config copy"] = to_yaml(load_config(TINY, [f"storage.key={key}", f"storage.secret={secret}"]))

@@ -80,8 +80,11 @@ def test_sft_resumes_from_checkpoint_and_matches_uninterrupted_run(tmp_path, ray
     assert store.is_complete("sft/checkpoints/step_00000008")
     monkeypatch.delenv("RLHF_FAIL_AFTER_STEP")
     # Its ZeRO shards were written by 2 ranks: a rerun on 1 is refused before any worker starts, naming the key.
-    with pytest.raises(ConfigError, match=r"'sft.strategy.num_workers' = 1, but the checkpoint .*step_00000008.* "
-                                          r"was written by 2 ranks: set sft.strategy.num_workers=2"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"'sft.strategy.num_workers' = 1, but the checkpoint .*step_00000008.* "
+        r"was written by 2 ranks: set sft.strategy.num_workers=2",
+    ):
         sft.run(cfg_for(tmp_path, *SFT_2W, "sft.strategy.num_workers=1"))
     assert store.is_complete("sft/checkpoints/step_00000008")
 
@@ -130,8 +133,12 @@ def test_sft_bf16_one_worker(tmp_path, ray_cluster, monkeypatch):
     events_file = tmp_path / "events.jsonl"
     monkeypatch.setenv("RLHF_EVENTS_FILE", str(events_file))
     run_dir = tmp_path / "run"
-    overrides = ["sft.strategy.precision=bf16", "sft.data.max_samples=64", "sft.train.save_steps=1",
-                 "sft.train.log_steps=1"]  # fmt: skip
+    overrides = [
+        "sft.strategy.precision=bf16",
+        "sft.data.max_samples=64",
+        "sft.train.save_steps=1",
+        "sft.train.log_steps=1",
+    ]
     ref = sft.run(cfg_for(run_dir, *overrides))
     assert ref.metrics["loss_end"] < ref.metrics["loss_start"]
     model = AutoModelForCausalLM.from_pretrained(str(run_dir / "sft"))

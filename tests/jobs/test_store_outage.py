@@ -54,9 +54,10 @@ class OwnS3:
         import s3fs
 
         return s3fs.S3FileSystem(
-            **self.options(), skip_instance_cache=True,
+            **self.options(),
+            skip_instance_cache=True,
             config_kwargs={"connect_timeout": 2, "read_timeout": 10, "retries": {"max_attempts": 1}},
-        )  # fmt: skip
+        )
 
 
 @pytest.fixture
@@ -81,15 +82,29 @@ def start_job(
     """``python -m rlhf_core.jobs.sft`` in its own process group (its own local Ray); output to ``<name>.log``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS", "RLHF_"))}
     env.update(
-        AWS_ACCESS_KEY_ID=s3.key, AWS_SECRET_ACCESS_KEY=s3.secret, AWS_ENDPOINT_URL=s3.endpoint_url,
-        RLHF_WORK_DIR=str(tmp / "work"), RLHF_LOG_DIR=str(tmp / "logs"), HF_HUB_OFFLINE="1",
+        AWS_ACCESS_KEY_ID=s3.key,
+        AWS_SECRET_ACCESS_KEY=s3.secret,
+        AWS_ENDPOINT_URL=s3.endpoint_url,
+        RLHF_WORK_DIR=str(tmp / "work"),
+        RLHF_LOG_DIR=str(tmp / "logs"),
+        HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
-    )  # fmt: skip
+    )
     if pause:
         env[UPLOAD_PAUSE_ENV] = PAUSE_S
     log, ref_out = tmp / f"{name}.log", tmp / f"{name}.ref.json"
-    cmd = [sys.executable, "-m", "rlhf_core.jobs.sft", "--config", str(TINY), "--ref-out", str(ref_out),
-           f"run_uri={run_uri}", *JOB, *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf_core.jobs.sft",
+        "--config",
+        str(TINY),
+        "--ref-out",
+        str(ref_out),
+        f"run_uri={run_uri}",
+        *JOB,
+        *overrides,
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log, ref_out
@@ -231,7 +246,7 @@ def test_outage_mid_checkpoint_resumes_from_the_newest_complete_one(own_s3, tmp_
 
     # A worker's failure: one line naming the worker and the cause, the traceback in the log folder.
     (error,) = out.errors
-    assert error.startswith("error: [sft] SupervisedTrainer rank 0 failed: "), error
+    assert error.startswith("error: [sft] SFTTrainer rank 0 failed: "), error
     (traceback,) = files_under(tmp_path / "logs")
     assert f"{traceback.name})" in error and "Traceback" in traceback.read_text()
     # No credential in anything the two jobs left.

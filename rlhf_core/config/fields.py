@@ -1,0 +1,33 @@
+"""The building blocks of every config section: ``opt``/``required`` fields with their help text, and
+``ConfigError``, the one exception a bad key or value raises."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+MISSING: Any = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, missing or has an invalid value; the message names the key."""
+
+
+def required(help: str) -> Any:
+    return field(default=MISSING, metadata={"help": help})
+
+
+def opt(default: Any, help: str) -> Any:
+    if isinstance(default, (list, dict, tuple)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: _copy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _copy(value: Any) -> Any:
+    return dataclasses.replace(value) if dataclasses.is_dataclass(value) else type(value)(value)
+
+
+def join_key(prefix: str, name: str) -> str:
+    """The dotted key of field ``name`` in the section at ``prefix`` (``""`` = the top level)."""
+    return f"{prefix}.{name}" if prefix else str(name)

@@ -1,0 +1,65 @@
+"""A stage's config hash: what decides whether a finished stage or an in-stage checkpoint still fits its config."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.config.serialise import redact_url
+
+# Fields that do not change what a stage computes: left out of its config hash so that, for example, keeping more
+# checkpoints or moving the run does not invalidate a finished stage or its in-stage checkpoints.
+# Placement and transport (where a role runs, how weights travel, what sleeps between phases) change no result either.
+_NOT_HASHED = {
+    "save_steps",
+    "keep_last",
+    "log_steps",
+    "num_workers",
+    "cpus_per_worker",
+    "threads_per_worker",
+    "resources",
+    "reward_resources",
+    "reference_resources",
+    "weight_sync_backend",
+    "weight_sync_bucket_mb",
+    "enable_sleep",
+    "offload_states_during_rollout",
+    "gpu_memory_utilization",
+    "kv_cache_gib",
+    "enforce_eager",
+    "frozen_offload",
+}
+
+
+def stage_hash(section: Any, upstream: dict[str, str] | None = None) -> str:
+    """Hash of a stage's resolved section (minus bookkeeping fields) and its upstream artifacts' hashes."""
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k not in _NOT_HASHED}
+        return node
+
+    payload = {"stage": strip(dataclasses.asdict(section)), "upstream": upstream or {}}
+    if payload["stage"].get("remote_rm_url"):  # a new token for the same server computes the same rewards
+        payload["stage"]["remote_rm_url"] = redact_url(payload["stage"]["remote_rm_url"])
+    code = getattr(section, "reward_fn", None)
+    if code:  # the reward function makes the stage's output: editing its file must rerun the stage
+        payload["code"] = code_fingerprint(code)
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def code_fingerprint(spec: str) -> str:
+    """sha256 of the source file behind ``path.py:function`` or ``module:function`` ("" when it cannot be found:
+    the job then refuses the spec, naming its key)."""
+    import importlib.util
+
+    where = spec.rpartition(":")[0]
+    try:
+        origin = where if where.endswith(".py") else (importlib.util.find_spec(where) or object()).origin
+    except (ImportError, ValueError, AttributeError):
+        return ""
+    path = Path(origin) if isinstance(origin, str) else None
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None and path.is_file() else ""

@@ -1,0 +1,114 @@
+"""A config as plain data: ``to_dict``/``to_yaml`` with credentials redacted, and ``describe``, the rows of
+``python -m rlhf_core.config``."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import yaml
+
+from rlhf_core.config.fields import MISSING, join_key
+from rlhf_core.config.kinds import STAGE_KINDS
+from rlhf_core.config.pipeline import PipelineConfig, StageSpec
+
+_SECRETS = {"key", "secret"}
+
+
+def redact_url(url: str) -> str:
+    """``url`` without credentials (``user:password@``), query string and fragment: safe to log."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:  # unparsable (a bad port...): keep only what is before any '@', '?' or '#'
+        head, sep, rest = url.partition("://")
+        rest = rest.rpartition("@")[2] if sep else head.rpartition("@")[2]
+        rest = rest.split("?", 1)[0].split("#", 1)[0]
+        return f"{head}://{rest}" if sep else rest
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{host}:{port}" if port is not None else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def redact_tracking_uri(uri: str) -> str:
+    """An MLflow tracking URI without a ``user:password@`` (``redact_url``); a URI without one (``sqlite:////abs.db``,
+    which ``redact_url`` would shorten) is kept as it is."""
+    return redact_url(uri) if "@" in uri else uri
+
+
+def to_dict(cfg: Any, redact: bool = True) -> dict:
+    """Plain dict of a config (loadable again); credentials are replaced by '***' unless redact=False (storage keys,
+    and the user:password@ and query string of a remote reward server's URL)."""
+    if not isinstance(cfg, PipelineConfig):
+        return dataclasses.asdict(cfg)
+    out = {"run_uri": cfg.run_uri, "storage": dataclasses.asdict(cfg.storage)}
+    out["stages"] = {name: {"kind": s.kind, **_section_dict(s)} for name, s in cfg.stages.items()}
+    out["tracking"] = dataclasses.asdict(cfg.tracking)
+    if redact:
+        if out["tracking"]["mlflow"] and out["tracking"]["mlflow"]["tracking_uri"]:
+            out["tracking"]["mlflow"]["tracking_uri"] = redact_tracking_uri(out["tracking"]["mlflow"]["tracking_uri"])
+        for k in _SECRETS:
+            if out["storage"].get(k):
+                out["storage"][k] = "***"
+        for section in out["stages"].values():
+            if section.get("remote_rm_url"):
+                section["remote_rm_url"] = redact_url(section["remote_rm_url"])
+    return out
+
+
+def _section_dict(spec: StageSpec) -> dict:
+    """The section as a dict, without the keys its kind does not use (a reload would refuse them)."""
+    out = dataclasses.asdict(spec.section)
+    for key in STAGE_KINDS[spec.kind].unused:
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node.pop(leaf, None)
+    return out
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[tuple[str, str, str]]:
+    """(key, default, help) rows for documentation and ``--help``. For ``PipelineConfig`` the stage keys are listed
+    once per kind, under the kind's name (an instance ``<name>`` of that kind takes the same keys). ``defaults``: the
+    section's own default instance, whose values win over the class's (``DPOConfig.optim`` has lr 5e-7)."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = join_key(prefix, f.name)
+        if f.metadata.get("internal"):
+            continue
+        if cls is PipelineConfig and f.name == "stages":
+            for kind in STAGE_KINDS.values():
+                rows.append((f"{kind.name}.kind", repr(kind.name), f"Stage kind: {kind.description}"))
+                unused = {f"{kind.name}.{k}" for k in kind.unused}
+                rows += [row for row in describe(kind.section, kind.name) if row[0] not in unused]
+            continue
+        tp = hints[f.name]
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        target = tp if dataclasses.is_dataclass(tp) else (inner[0] if inner else None)
+        if target is not None:
+            own = getattr(defaults, f.name, None) if defaults is not None else None
+            if own is None and f.default_factory is not MISSING:  # type: ignore[misc]
+                own = f.default_factory()  # type: ignore[misc]
+            rows += describe(target, key, own if dataclasses.is_dataclass(own) else None)
+            continue
+        if defaults is not None:
+            default = repr(getattr(defaults, f.name))
+        elif f.default is not MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not MISSING:  # type: ignore[misc]
+            default = repr(f.default_factory())  # type: ignore[misc]
+        else:
+            default = "(required)"
+        rows.append((key, default, f.metadata.get("help", "")))
+    return rows

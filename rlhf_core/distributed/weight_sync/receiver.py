@@ -1,0 +1,170 @@
+"""The engine side of the weight sync: the vLLM worker extension and the HF engine's module load, both reading one
+lazy stream of buckets so that at most one bucket beyond what the loader keeps is alive."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rlhf_core.distributed.weight_sync.buckets import (
+    MIB,
+    STATUS_ABORT,
+    STATUS_DATA,
+    WeightSpec,
+    bucket_layout,
+    bucket_plan,
+    load_into_module,
+    normal_specs,
+    read_header,
+    unpack_bucket,
+)
+from rlhf_core.distributed.weight_sync.transports import Collective, CudaIpc
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSyncAborted(RuntimeError):
+    """The sender stopped a sync midway (its own error is raised on its side)."""
+
+
+def make_receiver_transport(
+    master_addr: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float, backend: str
+) -> Any:
+    """The receiver's end of ``backend`` as rank ``rank`` (>= 1) of the weight-sync world. Blocks (gloo/nccl) until
+    all ranks have joined."""
+    if backend == "cuda_ipc":
+        transport = CudaIpc(master_addr, master_port, False, world_size, group_name, timeout_s, peer=rank)
+        transport.announce_gpu()
+        return transport
+    return Collective(master_addr, master_port, rank, world_size, group_name, timeout_s, backend)
+
+
+class WorkerWeightReceiver:
+    """vLLM worker extension (``worker_extension_cls``): its methods are mixed into each vLLM worker and called
+    through ``LLM.collective_rpc``. Names here must not clash with the worker's own attributes (vLLM checks)."""
+
+    def init_weight_sync_group(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        timeout_s: float = 600,
+        backend: str = "gloo",
+    ) -> int:
+        """Join the weight-sync group as ``rank_offset`` + this worker's rank (its tensor-parallel rank; pipeline
+        parallelism is not supported). Blocks until all ranks have joined. Returns the rank taken."""
+        tp_rank = int(getattr(self, "rank", 0))
+        rank = rank_offset + tp_rank
+        self._rlhf_sync_transport = make_receiver_transport(
+            master_addr, master_port, rank, world_size, group_name, timeout_s, backend
+        )
+        return rank
+
+    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int = 1024 * MIB, sync_id: int = 0) -> dict:
+        """Receive ``specs`` in buckets of ``bucket_bytes`` from the sender, in order, and reload them into the
+        model. Returns ``{"seconds": ..., "error": None}``, or the error's text instead of raising it: vLLM's
+        multiprocess executor answers a collective_rpc at the first worker that raises and leaves the other
+        workers' answers queued, so the next call would receive this sync's failure. The engine raises it
+        (``VLLMEngine.receive_weights``) once every worker has answered."""
+        start = time.perf_counter()
+        try:
+            self._receive_weights(specs, bucket_bytes, sync_id)
+        except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
+            return {"seconds": time.perf_counter() - start, "error": f"{type(e).__name__}: {e}"}
+        return {"seconds": time.perf_counter() - start, "error": None}
+
+    def _receive_weights(self, specs: list[WeightSpec], bucket_bytes: int, sync_id: int) -> None:
+        transport = getattr(self, "_rlhf_sync_transport", None)
+        if transport is None:
+            raise RuntimeError("receive_weights before init_weight_sync_group")
+        stream = _ReceiveStream(transport, specs, bucket_bytes, sync_id)
+        try:
+            # The worker's reload_weights (it sets vLLM's current config) takes Hugging Face names and tensors in
+            # checkpoint format, maps them (stacked qkv, gate/up, TP shards) and re-runs the backend's post-load
+            # processing. The stream ends early on an abort from the sender, so the reload still finalises.
+            self.reload_weights(weights_iterator=iter(stream), is_checkpoint_format=True)
+        except BaseException:
+            _reset_layerwise_reload(self)
+            raise
+        finally:
+            # Keep the transfers in lockstep with the sender even if the loader stopped early or failed.
+            stream.drain()
+        stream.raise_if_aborted()
+
+
+def _reset_layerwise_reload(worker: Any) -> None:
+    """vLLM's in-place reload wraps every layer's weight loaders and only unwraps them when it finishes; if loading
+    raised midway, every later reload fails ("'Parameter' object has no attribute 'weight_loader'"). Finalise it
+    here (best effort) so the next sync can succeed."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(worker.get_model(), worker.vllm_config.model_config)
+    except Exception as e:  # noqa: BLE001 - the original error is the one to raise
+        logger.warning("could not reset vLLM's layerwise reload after a failed weight sync: %s", e)
+
+
+class _ReceiveStream:
+    """Receives the announced tensors lazily, one bucket at a time (so at most one extra bucket is alive beyond
+    what the loader keeps)."""
+
+    def __init__(self, transport: Any, specs: list[WeightSpec], bucket_bytes: int, sync_id: int = 0):
+        self.transport = transport
+        self.specs = normal_specs(specs)
+        self.plan = bucket_plan(self.specs, bucket_bytes)
+        self.sync_id = sync_id
+        self.buckets = 0
+        self.received = 0
+        self.aborted = False
+
+    def _next_bucket(self) -> dict[str, torch.Tensor] | None:
+        b = self.buckets
+        bucket_specs = [self.specs[i] for i in self.plan[b]]
+        buffer = self.transport.recv(bucket_layout(bucket_specs)[1], self.sync_id, b)
+        self.buckets += 1
+        status, index = read_header(buffer)
+        if status == STATUS_ABORT:
+            self.aborted = True
+            return None
+        if status != STATUS_DATA or index != b:
+            raise RuntimeError(f"weight sync out of step: expected bucket {b}, got header ({status}, {index})")
+        self.received += len(bucket_specs)
+        return unpack_bucket(buffer, bucket_specs)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while self.buckets < len(self.plan) and not self.aborted:
+            tensors = self._next_bucket()
+            if tensors is None:
+                return
+            yield from tensors.items()
+
+    def drain(self) -> None:
+        """Receive what is left (the loader stopped early or failed), to stay in lockstep with the sender."""
+        while self.buckets < len(self.plan) and not self.aborted:
+            self._next_bucket()
+
+    def raise_if_aborted(self) -> None:
+        if self.aborted:
+            raise WeightSyncAborted(
+                f"the sender aborted the weight sync in bucket {self.buckets}/{len(self.plan)}, after "
+                f"{self.received}/{len(self.specs)} tensors: the layers completed hold new weights, a partly sent "
+                "layer is undefined, until the next successful sync"
+            )
+
+
+def receive_into_module(
+    transport: Any, specs: list[WeightSpec], module: torch.nn.Module, bucket_bytes: int = 1024 * MIB, sync_id: int = 0
+) -> None:
+    """Receive ``specs`` in buckets and copy them into ``module``'s parameters/buffers by name (the HF backend)."""
+    stream = _ReceiveStream(transport, specs, bucket_bytes, sync_id)
+    try:
+        load_into_module(module, stream)
+    finally:
+        stream.drain()
+    stream.raise_if_aborted()
