@@ -1,13 +1,15 @@
 """Check that two runs of the same preset gave the same results, bit for bit: every stage's ``metrics.json`` values
-(wall-clock values and Ray placement-group ids left out: they differ between any two runs) and every tensor of every
-weight file (``*.safetensors``), compared with ``torch.equal``. Used to show that a change of structure left the
-behaviour as it was: run the pipeline at both commits on CPU with the same preset and seeds, then compare.
+(wall-clock values and Ray placement-group ids left out: they differ between any two runs), every tensor of every
+weight file (``*.safetensors``), compared with ``torch.equal``, and every other file byte for byte (datasets, config,
+tokenizer, reference log-probs), except the manifest (its commit time) and the curves (they plot the timings).
+Used to show that a change of structure left the behaviour as it was: run the pipeline at both commits on CPU with the
+same preset and seeds, then compare.
 
     python -m rlhf_core.jobs.pipeline --config deployments/configs/tiny.yaml run_uri=/tmp/before   # old commit
     python -m rlhf_core.jobs.pipeline --config deployments/configs/tiny.yaml run_uri=/tmp/after    # new commit
     python scripts/same_outputs.py /tmp/before /tmp/after
 
-Prints one line per stage and exits 1 when anything differs (naming the metric or the tensor).
+Prints one line per stage and exits 1 when anything differs (naming the metric, the tensor or the file).
 """
 
 from __future__ import annotations
@@ -80,7 +82,22 @@ def compare_stage(a: Path, b: Path) -> tuple[list[str], str]:
             if ta[name].dtype != tb[name].dtype or not torch.equal(ta[name], tb[name]):
                 found.append(f"{rel}:{name}: not equal")
     checked.append(f"{tensors} tensors in {len(files_a)} weight files")
+    others_a, others_b = (
+        sorted(p.name for p in d.glob("*") if p.is_file() and not _compared_apart(p)) for d in (a, b)
+    )
+    if others_a != others_b:
+        found.append(f"other files differ: {others_a} != {others_b}")
+    same = [
+        name for name in sorted(set(others_a) & set(others_b)) if (a / name).read_bytes() == (b / name).read_bytes()
+    ]
+    found += [f"{name}: bytes differ" for name in sorted(set(others_a) & set(others_b)) if name not in same]
+    checked.append(f"{len(same)} other files byte for byte")
     return found, ", ".join(checked)
+
+
+def _compared_apart(path: Path) -> bool:
+    """Weights and metrics are compared above; the manifest holds its commit time, the curves plot the timings."""
+    return path.suffix == ".safetensors" or path.name in ("metrics.json", "manifest.json", "curves.png")
 
 
 def main(argv: list[str] | None = None) -> int:
