@@ -7,9 +7,11 @@ foreign exception (a library's, often with a long multi-line message) as its typ
 from __future__ import annotations
 
 
-def one_line(text: str) -> str:
-    """``text`` with every run of whitespace (newlines included) made one space."""
-    return " ".join(str(text).split())
+def one_line(text: str, limit: int | None = None) -> str:
+    """``text`` with every run of whitespace (newlines included) made one space; longer than ``limit`` characters, cut
+    to that length with ``...`` at its end."""
+    text = " ".join(str(text).split())
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def first_line(error: BaseException, limit: int | None = 200) -> str:

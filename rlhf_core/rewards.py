@@ -36,6 +36,7 @@ from rlhf_core import timing
 from rlhf_core.algos.experience import Experience
 from rlhf_core.algos.ppo import normalize_scores
 from rlhf_core.config import REWARD_SOURCES, ConfigError, PPOConfig, redact_url, reward_sources
+from rlhf_core.errors import one_line
 from rlhf_core.models.builders import BUILTIN_PREFIX
 
 RewardFn = Callable[[list, list[str]], Any]
@@ -112,7 +113,7 @@ def call_reward_fn_with_mask(
     try:
         out = fn(list(prompts), list(responses))
     except Exception as e:  # the user's function: whatever it raises is reported on one line
-        raise ConfigError(f"{label} raised {type(e).__name__}: {_one_line(str(e), 300)}") from e
+        raise ConfigError(f"{label} raised {type(e).__name__}: {one_line(str(e), 300)}") from e
     keep = None
     if isinstance(out, Mapping):
         unknown = [str(k) for k in out if k not in MASK_KEYS]
@@ -164,11 +165,6 @@ def _check_keep(out: Any, label: str, rows: int) -> list[bool]:
             raise ConfigError(f"{label} returned 'keep' = {v!r} for row {i + 1}, not a bool")
         keep.append(bool(v))
     return keep
-
-
-def _one_line(text: str, limit: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -283,7 +279,7 @@ class RemoteRewardModel:
         for secret in (parts.password, parts.username, parts.query, parts.fragment):
             if secret:
                 text = text.replace(secret, "***")
-        return _one_line(text, EXCERPT_CHARS) or "(empty body)"
+        return one_line(text, EXCERPT_CHARS) or "(empty body)"
 
     def _post(self, prompts: list, responses: list[str]) -> list[float]:
         import requests
@@ -311,7 +307,7 @@ class RemoteRewardModel:
             raise self._fail(f"answered HTTP {resp.status_code} with non-JSON: {self._excerpt(resp.text)}") from None
         if not isinstance(answer, dict) or not ("scores" in answer or "rewards" in answer):
             what = f"keys {sorted(map(str, answer))}" if isinstance(answer, dict) else type(answer).__name__
-            raise self._fail(f"answered JSON without 'scores' (or 'rewards'): got {_one_line(what, 100)}")
+            raise self._fail(f"answered JSON without 'scores' (or 'rewards'): got {one_line(what, 100)}")
         values = answer["scores"] if "scores" in answer else answer["rewards"]
         if not isinstance(values, list):
             raise self._fail(f"answered 'scores' = {type(values).__name__}, not a list")
@@ -320,7 +316,7 @@ class RemoteRewardModel:
         scores = []
         for i, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, int | float):
-                raise self._fail(f"answered {_one_line(repr(v), 60)} for row {i + 1}, not a number")
+                raise self._fail(f"answered {one_line(repr(v), 60)} for row {i + 1}, not a number")
             if not math.isfinite(v):
                 raise self._fail(f"answered {v} for row {i + 1}: scores must be finite")
             scores.append(float(v))
