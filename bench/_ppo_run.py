@@ -69,7 +69,7 @@ def add_size_args(parser: argparse.ArgumentParser) -> None:
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """Overrides of the tiny preset's ``ppo`` stage for the benchmark's size (no upstream stages needed)."""
-    out = [f"ppo.{role}.name_or_path={args.model}" for role in ("actor", "critic", "reward")]
+    out = [f"ppo.{role}.model.name_or_path={args.model}" for role in ("actor", "critic", "reward")]
     out += [
         "ppo.algo.normalize_reward=false",  # a builtin reward model has no stored reward statistics
         f"ppo.train.rollout_batch_size={args.prompts}",
@@ -79,11 +79,11 @@ def overrides(args: argparse.Namespace) -> list[str]:
         "ppo.train.eval_prompts=0",
         "ppo.train.save_steps=0",
         "ppo.train.log_steps=1",
-        "ppo.actor_strategy.precision=fp32",
-        "ppo.critic_strategy.precision=fp32",
-        "ppo.colocate_all=false",
-        "ppo.colocate_actor_ref=false",
-        "ppo.colocate_critic_reward=false",
+        "ppo.actor.strategy.precision=fp32",
+        "ppo.critic.strategy.precision=fp32",
+        "ppo.placement.colocate_all=false",
+        "ppo.placement.colocate_actor_ref=false",
+        "ppo.placement.colocate_critic_reward=false",
     ]
     if args.samples_per_prompt is not None:
         out.append(f"ppo.rollout.n_samples_per_prompt={args.samples_per_prompt}")

@@ -381,18 +381,18 @@ SOURCE_LOGS = dict(zip(REWARD_SOURCES, ("rm_score", "reward_fn_score", "remote_r
 def reward_stats(stage: str, p: PPOConfig, reward_path: str | None) -> tuple[float, float] | None:
     """(mean, std) stored by the reward-model stage; refused when normalisation is on and they are missing. None
     without a reward model (a function's or a server's scores are used as they come)."""
-    if not p.algo.normalize_reward or p.reward is None or reward_path is None:
+    if not p.algo.normalize_reward or p.reward.model is None or reward_path is None:
         return None
     if not reward_path.startswith(BUILTIN_PREFIX):
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(reward_path, trust_remote_code=p.reward.trust_remote_code)
+        config = AutoConfig.from_pretrained(reward_path, trust_remote_code=p.reward.model.trust_remote_code)
         mean, std = getattr(config, "reward_mean", None), getattr(config, "reward_std", None)
         if mean is not None and std is not None:
             return float(mean), float(std)
     raise ConfigError(
-        f"'{stage}.reward.name_or_path' = {p.reward.name_or_path} has no stored reward_mean/reward_std, but "
-        f"'{stage}.algo.normalize_reward' is on: use a reward-model stage output or set it to false"
+        f"'{stage}.reward.model.name_or_path' = {p.reward.model.name_or_path} has no stored reward_mean/reward_std, "
+        f"but '{stage}.algo.normalize_reward' is on: use a reward-model stage output or set it to false"
     )
 
 

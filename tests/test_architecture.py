@@ -2,6 +2,7 @@
 one home. Every failure lists its offenders as ``path:line: what``."""
 
 import ast
+import dataclasses
 import io
 import re
 import tokenize
@@ -340,6 +341,27 @@ def test_module_size_budgets():
     fail_on(offenders, "modules over the size budget")
 
 
+CONFIG_MODULE_LINES = 400  # rlhf_core/config: one module per concern and per stage kind
+
+
+def test_config_modules_are_small_and_kinds_refuse_nothing_by_list():
+    """Each module of the config package stays under 400 lines, and a stage kind is its section, its job and its
+    description: no list of keys it refuses (a kind's section has only the keys it reads, so the loader refuses any
+    other as unknown)."""
+    from rlhf_core.config import STAGE_KINDS, StageKind
+
+    offenders = []
+    for path in sorted((ROOT / "rlhf_core" / "config").glob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > CONFIG_MODULE_LINES:
+            offenders.append(
+                f"{rel(path)}:{CONFIG_MODULE_LINES + 1}: {lines} lines, the budget is {CONFIG_MODULE_LINES}"
+            )
+    fail_on(offenders, "config modules over the size budget")
+    assert [f.name for f in dataclasses.fields(StageKind)] == ["name", "section", "job", "description"]
+    assert all(callable(getattr(kind.section, "validate", None)) for kind in STAGE_KINDS.values())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # One home for each fact
 
@@ -587,3 +609,113 @@ def test_every_collective_goes_through_the_device_aware_helper():
     # and the helper really is the one issuing them
     issued = {what.split("(")[0].rsplit(".", 1)[-1] for _, what in _collective_calls(DEVICE_MODULE)}
     assert {"all_reduce", "broadcast", "all_gather_object", "broadcast_object_list", "barrier"} <= issued, issued
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tests pass a cluster
+
+# Where worker groups and engines come from: jobs take the cluster they run on (rlhf_core/distributed/cluster.py), so
+# a test passes a LocalCluster (or one that refuses to start anything) instead of swapping these modules' attributes.
+PATCH_GUARDED = ("rlhf_core.distributed.launcher", "rlhf_core.distributed.rollout", "rlhf_core.jobs")
+
+
+def _guarded(dotted: str) -> bool:
+    return any(dotted == g or dotted.startswith(g + ".") for g in PATCH_GUARDED)
+
+
+def _import_names(path: Path) -> dict[str, str]:
+    """What each name bound by an import of ``path`` (function-level ones included) stands for, dotted: ``launcher``
+    -> rlhf_core.distributed.launcher, ``EngineGroup`` -> rlhf_core.distributed.rollout.group.EngineGroup."""
+    out: dict[str, str] = {}
+    for node in walk(parse(path)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                root = alias.name.split(".")[0]
+                out[alias.asname or root] = alias.name if alias.asname else root
+        elif isinstance(node, ast.ImportFrom):
+            base = from_base(path, node)
+            out.update({alias.asname or alias.name: f"{base}.{alias.name}" for alias in node.names})
+    return out
+
+
+def _dotted(node: ast.AST, names: dict[str, str]) -> str | None:
+    """The dotted name an expression stands for (``launcher.RayWorkerGroup`` ->
+    rlhf_core.distributed.launcher.RayWorkerGroup); None when it is no imported name or attribute of one."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in names:
+        return None
+    return ".".join([names[node.id], *reversed(parts)])
+
+
+def swapped_attributes(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of each ``setattr(target, ...)`` / ``monkeypatch.setattr(target, ...)`` / ``m.setattr(...)`` in
+    ``path`` whose target is the launcher, a rollout module or a job module (or a name imported from one), the
+    ``"pkg.module.name"`` string form included. A ``setattr`` whose target is a local variable (a loop over a table of
+    swaps) is resolved through the table: every tuple ``(target, "name", ...)`` of the file is checked."""
+    tree, names = parse(path), _import_names(path)
+    found: list[tuple[int, str]] = []
+    unresolved = False
+    for node in walk(tree):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        func = node.func
+        if not (
+            (isinstance(func, ast.Name) and func.id == "setattr")
+            or (isinstance(func, ast.Attribute) and func.attr == "setattr")
+        ):
+            continue
+        first = node.args[0]
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            target: str | None = first.value
+        else:
+            target = _dotted(first, names)
+        if target is None:
+            unresolved = True
+        elif _guarded(target):
+            found.append((node.lineno, f"{ast.unparse(func)}({target}, ...)"))
+    if unresolved:
+        for node in walk(tree):
+            if not (isinstance(node, ast.Tuple) and len(node.elts) >= 2):
+                continue
+            name = node.elts[1]
+            target = _dotted(node.elts[0], names)
+            if target and _guarded(target) and isinstance(name, ast.Constant) and isinstance(name.value, str):
+                found.append((node.lineno, f"swaps {target}.{name.value}"))
+    return sorted(found)
+
+
+def test_tests_pass_a_cluster_instead_of_swapping_module_attributes():
+    """No test swaps an attribute of the launcher, a rollout module or a job module: a job takes the cluster it runs
+    on (``LocalCluster`` in this process, or a cluster that refuses to start workers), so nothing else needs
+    patching."""
+    offenders = [
+        f"{rel(path)}:{line}: {what}" for path in source_files("tests") for line, what in swapped_attributes(path)
+    ]
+    fail_on(offenders, "module attributes swapped in tests (pass a cluster instead)")
+
+
+def test_swapped_attributes_finds_every_form(tmp_path):
+    """The check above on a file holding each form it must find, and the patches it must leave alone."""
+    source = tmp_path / "test_sample.py"
+    source.write_text(
+        "import rlhf_core.jobs.ppo\n"
+        "from rlhf_core.distributed import launcher\n"
+        "from rlhf_core.distributed.rollout.group import EngineGroup\n"
+        "from rlhf_core import compare\n"
+        "def test_a(monkeypatch):\n"
+        "    monkeypatch.setattr(launcher, 'run_group', None)\n"
+        "    with monkeypatch.context() as m:\n"
+        "        m.setattr(EngineGroup, 'create', None)\n"
+        "    monkeypatch.setattr('rlhf_core.jobs.ppo.load_inputs', None)\n"
+        "    monkeypatch.setattr(rlhf_core.jobs.ppo, 'PPOController', None)\n"
+        "    monkeypatch.setattr(compare.curves, 'figure_png', None)\n"
+        "    monkeypatch.setattr('os.environ', {})\n"
+        "def swap():\n"
+        "    from rlhf_core.distributed.rollout import group as rollout_group\n"
+        "    for module, name, value in [(launcher, 'wait', list), (rollout_group, 'EngineGroup', None)]:\n"
+        "        setattr(module, name, value)\n"
+    )
+    assert [line for line, _ in swapped_attributes(source)] == [6, 8, 9, 10, 15, 15]

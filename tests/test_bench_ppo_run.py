@@ -18,10 +18,12 @@ def args_of(*argv: str) -> argparse.Namespace:
 def test_overrides_give_the_benchmark_size():
     args = args_of("--steps", "5", "--set", "ppo.rollout.top_p=0.9")
     p = load_config(str(_ppo_run.ROOT / _ppo_run.PRESET), _ppo_run.overrides(args)).stage("ppo")
-    assert {p.actor.name_or_path, p.critic.name_or_path, p.reward.name_or_path} == {"builtin:medium"}
+    assert {p.actor.model.name_or_path, p.critic.model.name_or_path, p.reward.model.name_or_path} == {"builtin:medium"}
     assert (p.train.rollout_batch_size, p.rollout.max_new_tokens, p.algo.ppo_epochs) == (16, 64, 4)
-    assert (p.actor_strategy.precision, p.critic_strategy.precision) == ("fp32", "fp32")
-    assert not (p.colocate_all or p.colocate_actor_ref or p.colocate_critic_reward)  # a separate critic
+    assert (p.actor.strategy.precision, p.critic.strategy.precision) == ("fp32", "fp32")
+    assert not (
+        p.placement.colocate_all or p.placement.colocate_actor_ref or p.placement.colocate_critic_reward
+    )  # a separate critic
     assert (p.train.max_steps, p.train.save_steps, p.train.eval_prompts, p.rollout.top_p) == (5, 0, 0, 0.9)
     assert _ppo_run.samples_per_prompt(args) == p.rollout.n_samples_per_prompt
     assert _ppo_run.samples_per_prompt(args_of("--samples-per-prompt", "4")) == 4

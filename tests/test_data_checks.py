@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlhf_core.config import DataConfig
+from rlhf_core.config import DataSource, KTOData, PreferenceData, PromptData, SFTData
 from rlhf_core.data.examples import kto_examples, preference_examples, prompt_examples, render_prompt, sft_examples
 from rlhf_core.data.loading import DataError, load_rows, require_keys
 from rlhf_core.models.builders import load_tokenizer
@@ -192,13 +192,13 @@ def test_chat_sft_rows_refuse_a_response_list_without_the_answer(tmp_path, tok):
     p = jsonl(tmp_path / "s.jsonl", [{"input": "a", "output": "b"}, {"input": [U], "output": [U, A("x"), U]}])
     refused(
         r"s\.jsonl: row 2: key 'output': value message 3 is 'user'",
-        lambda: sft_examples(DataConfig(train_path=p), tok),
+        lambda: sft_examples(SFTData(train_path=p), tok),
     )
 
 
 def test_chat_sft_output_as_messages_encodes(tmp_path, tok):
     p = jsonl(tmp_path / "s.jsonl", [{"input": [U], "output": [A("Hi.")]}, {"input": "a", "output": "b"}])
-    a, b = sft_examples(DataConfig(train_path=p), tok)
+    a, b = sft_examples(SFTData(train_path=p), tok)
     n = a["loss_mask"].index(1)
     assert tok.decode(a["input_ids"][n:-1]) == "Hi."
 
@@ -207,7 +207,7 @@ def test_prompt_examples_refuse_a_prompt_ending_with_the_answer(tmp_path, tok):
     p = jsonl(tmp_path / "p.jsonl", [{"input": [U]}, {"input": [U, A("x")]}])
     refused(
         r"p\.jsonl: row 2: key 'input': value message 2 is 'assistant'",
-        lambda: prompt_examples(DataConfig(train_path=p), tok),
+        lambda: prompt_examples(PromptData(train_path=p), tok),
     )
 
 
@@ -239,16 +239,16 @@ def test_chat_format_pairs_encode(tmp_path, tok, case, template):
         tok = load_tokenizer("builtin:tiny")
         tok.chat_template = None
     p = jsonl(tmp_path / "c.jsonl", [row, OTHER if prompt_key else OTHER_CHAT, row])
-    pairs = preference_examples(DataConfig(train_path=p, prompt_key=prompt_key), tok)
+    pairs = preference_examples(PreferenceData(train_path=p, prompt_key=prompt_key), tok)
     assert len(pairs) == 3
     first = pairs[0]
     assert tok.decode(first["chosen_ids"][first["chosen_prompt_len"] : -1]) == "Hello."
     assert tok.decode(first["rejected_ids"][first["rejected_prompt_len"] : -1]) == "No."
-    assert len(kto_examples(DataConfig(train_path=p, prompt_key=prompt_key), tok)) == 6
+    assert len(kto_examples(KTOData(train_path=p, prompt_key=prompt_key), tok)) == 6
 
 
 def test_system_message_folds_into_the_first_user_turn_without_system_role(tok):
-    cfg = DataConfig(train_path="x")
+    cfg = DataSource(train_path="x")
     assert render_prompt([S, U], tok, cfg) == "<|user|>Be brief.\n\nSay hi.\n<|assistant|>"
 
 
@@ -261,7 +261,7 @@ def test_a_template_failure_is_a_data_error(tok):
 
     refused(
         r"^f row 2: the tokenizer's chat template refused the messages \(no such role\)",
-        lambda: render_prompt([U], Strict(), DataConfig(train_path="x"), "f row 2"),
+        lambda: render_prompt([U], Strict(), DataSource(train_path="x"), "f row 2"),
     )
 
 
@@ -291,13 +291,13 @@ def test_chosen_equal_to_rejected_is_refused_in_every_form(tmp_path, tok, case):
     for make in (preference_examples, kto_examples):
         refused(
             r"same\.jsonl row 2 keys 'chosen' and 'rejected': chosen and rejected are the same text",
-            lambda make=make: make(DataConfig(train_path=p, prompt_key=prompt_key), tok),
+            lambda make=make: make(KTOData(train_path=p, prompt_key=prompt_key), tok),
         )
 
 
 def test_responses_differing_inside_only_by_whitespace_are_kept(tmp_path, tok):
     p = jsonl(tmp_path / "ws.jsonl", [{"prompt": "a", "chosen": "x\n    y", "rejected": "x\n  y"}])
-    assert len(preference_examples(DataConfig(train_path=p), tok)) == 1
+    assert len(preference_examples(PreferenceData(train_path=p), tok)) == 1
 
 
 # --------------------------------------------------------------------------- types
@@ -310,14 +310,14 @@ def test_non_text_value_is_refused_naming_key_and_row(tmp_path, tok, value, got)
     p = jsonl(tmp_path / "t.jsonl", [ROW, {**ROW, "chosen": value}])
     refused(
         rf"t\.jsonl: row 2: key 'chosen': value is not a string or a list of messages \(got {got}.*write the text",
-        lambda: preference_examples(DataConfig(train_path=p), tok),
+        lambda: preference_examples(PreferenceData(train_path=p), tok),
     )
 
 
 def test_whitespace_only_value_is_refused(tmp_path, tok):
     p = jsonl(tmp_path / "w.jsonl", [{"input": "a", "output": "b"}, {"input": " \t\n", "output": "b"}])
     refused(
-        r"w\.jsonl: row 2: key 'input': value is an empty string", lambda: sft_examples(DataConfig(train_path=p), tok)
+        r"w\.jsonl: row 2: key 'input': value is an empty string", lambda: sft_examples(SFTData(train_path=p), tok)
     )
 
 
@@ -327,14 +327,14 @@ def test_whitespace_only_value_is_refused(tmp_path, tok):
 def test_truncated_rows_are_reported_once_per_file(tmp_path, tok, capsys):
     rows = [{"input": "a", "output": "word " * 40}] * 3 + [{"input": "a", "output": "ok"}] * 5
     p = jsonl(tmp_path / "x.jsonl", rows)
-    assert len(sft_examples(DataConfig(train_path=p, max_len=16), tok)) == 8
+    assert len(sft_examples(SFTData(train_path=p, max_len=16), tok)) == 8
     err = capsys.readouterr().err.splitlines()
     assert err == [f"warning: {p}: 3 of 8 rows truncated to data.max_len=16"]
     pairs = [{"prompt": "a", "chosen": "word " * 40, "rejected": "no"}, ROW]
     p2 = jsonl(tmp_path / "y.jsonl", pairs)
-    preference_examples(DataConfig(train_path=p2, max_len=16), tok)
+    preference_examples(PreferenceData(train_path=p2, max_len=16), tok)
     assert capsys.readouterr().err.splitlines() == [f"warning: {p2}: 1 of 2 rows truncated to data.max_len=16"]
-    sft_examples(DataConfig(train_path=p, max_len=512), tok)
+    sft_examples(SFTData(train_path=p, max_len=512), tok)
     assert capsys.readouterr().err == ""
 
 
@@ -344,7 +344,7 @@ def test_truncated_unpaired_kto_rows_are_reported_once(tmp_path, tok, capsys):
         {"prompt": "b", "response": "no", "label": False},
     ]
     p = jsonl(tmp_path / "k.jsonl", rows)
-    assert len(kto_examples(DataConfig(train_path=p, max_len=16, label_key="label"), tok)) == 2
+    assert len(kto_examples(KTOData(train_path=p, max_len=16, label_key="label"), tok)) == 2
     assert capsys.readouterr().err.splitlines() == [f"warning: {p}: 1 of 2 rows truncated to data.max_len=16"]
 
 
@@ -355,14 +355,14 @@ def test_rows_with_extra_keys_load(tmp_path, tok):
     rows = [{**ROW, "id": i, "score": 0.5, "meta": {"src": "x"}, "tags": ["a"]} for i in range(5)]
     p = jsonl(tmp_path / "extra.jsonl", rows)
     assert load_rows(p) == rows
-    assert len(preference_examples(DataConfig(train_path=p), tok)) == 5
+    assert len(preference_examples(PreferenceData(train_path=p), tok)) == 5
 
 
 def test_json_list_file_loads(tmp_path, tok):
     p = tmp_path / "list.json"
     p.write_text(json.dumps([ROW] * 7), encoding="utf-8")
     assert len(load_rows(p)) == 7
-    assert len(preference_examples(DataConfig(train_path=str(p)), tok)) == 7
+    assert len(preference_examples(PreferenceData(train_path=str(p)), tok)) == 7
 
 
 def test_parquet_file_loads(tmp_path, tok):
@@ -373,17 +373,17 @@ def test_parquet_file_loads(tmp_path, tok):
     p = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(rows[:6]), p)
     assert len(load_rows(p)) == 6
-    assert len(preference_examples(DataConfig(train_path=str(p)), tok)) == 6
+    assert len(preference_examples(PreferenceData(train_path=str(p)), tok)) == 6
     chat = tmp_path / "chat.parquet"
     pq.write_table(pa.Table.from_pylist(rows[6:] * 4), chat)
-    assert len(preference_examples(DataConfig(train_path=str(chat)), tok)) == 4
+    assert len(preference_examples(PreferenceData(train_path=str(chat)), tok)) == 4
 
 
 def test_bom_and_crlf_preference_files_train(tmp_path, tok):
     data = codecs.BOM_UTF8 + b"".join(json.dumps(ROW).encode() + b"\r\n" for _ in range(9))
     (tmp_path / "p.jsonl").write_bytes(data)
-    assert len(preference_examples(DataConfig(train_path=str(tmp_path / "p.jsonl")), tok)) == 9
+    assert len(preference_examples(PreferenceData(train_path=str(tmp_path / "p.jsonl")), tok)) == 9
     (tmp_path / "p.csv").write_bytes(
         codecs.BOM_UTF8 + b"prompt,chosen,rejected\r\n" + b"Say hi.,Hello.,Go away.\r\n" * 4
     )
-    assert len(preference_examples(DataConfig(train_path=str(tmp_path / "p.csv")), tok)) == 4
+    assert len(preference_examples(PreferenceData(train_path=str(tmp_path / "p.csv")), tok)) == 4

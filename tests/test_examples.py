@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlhf_core.config import DataConfig
+from rlhf_core.config import DataSource, KTOData, PreferenceData, SFTData
 from rlhf_core.data.examples import (
     encode,
     kto_examples,
@@ -28,11 +28,11 @@ def write_jsonl(path, rows):
 
 
 def test_chat_template_template_string_and_plain(tok):
-    cfg = DataConfig(train_path="x")
+    cfg = DataSource(train_path="x")
     assert render_prompt("hi", tok, cfg) == "<|user|>hi\n<|assistant|>"
-    cfg_t = DataConfig(train_path="x", input_template="User: {}\nAssistant: ")
+    cfg_t = DataSource(train_path="x", input_template="User: {}\nAssistant: ")
     assert render_prompt("hi", tok, cfg_t) == "User: hi\nAssistant: "
-    cfg_plain = DataConfig(train_path="x", apply_chat_template=False)
+    cfg_plain = DataSource(train_path="x", apply_chat_template=False)
     assert render_prompt("hi", tok, cfg_plain) == "hi"
     messages = [
         {"role": "user", "content": "a"},
@@ -53,7 +53,7 @@ def test_split_hh_cuts_before_the_last_assistant_turn():
 
 def test_sft_examples_mask_prompt_and_end_with_eos(tmp_path, tok):
     path = write_jsonl(tmp_path / "sft.jsonl", [{"input": "Say hi.", "output": "The dog is good."}])
-    (ex,) = sft_examples(DataConfig(train_path=path), tok)
+    (ex,) = sft_examples(SFTData(train_path=path), tok)
     prompt_ids = tok("<|user|>Say hi.\n<|assistant|>")["input_ids"]
     assert ex["input_ids"][: len(prompt_ids)] == prompt_ids and prompt_ids[0] == tok.bos_token_id
     assert ex["input_ids"][-1] == tok.eos_token_id
@@ -64,11 +64,11 @@ def test_sft_examples_mask_prompt_and_end_with_eos(tmp_path, tok):
 def test_hh_style_sft_and_preferences(tmp_path, tok):
     hh = "\n\nHuman: Say hi.\n\nAssistant: hello there"
     sft_path = write_jsonl(tmp_path / "hh.jsonl", [{"text": hh}])
-    (ex,) = sft_examples(DataConfig(train_path=sft_path, input_key="text", output_key=None), tok)
+    (ex,) = sft_examples(SFTData(train_path=sft_path, input_key="text", output_key=None), tok)
     n_prompt = ex["loss_mask"].index(1)
     assert tok.decode(ex["input_ids"][n_prompt:-1]) == " hello there"
     pref_path = write_jsonl(tmp_path / "p.jsonl", [{"chosen": hh, "rejected": "\n\nHuman: Say hi.\n\nAssistant: no"}])
-    (pair,) = preference_examples(DataConfig(train_path=pref_path, prompt_key=None), tok)
+    (pair,) = preference_examples(PreferenceData(train_path=pref_path, prompt_key=None), tok)
     assert tok.decode(pair["rejected_ids"], skip_special_tokens=True).endswith("Assistant: no")
 
 
@@ -79,7 +79,7 @@ def test_long_response_is_truncated_but_long_prompt_is_refused(tmp_path, tok):
         tmp_path / "long.jsonl", [{"input": "ok", "output": "ok"}, {"input": "word " * 50, "output": "x"}]
     )
     with pytest.raises(DataError, match=r"long.jsonl row 2: the prompt has \d+ tokens but data.max_len is 16"):
-        sft_examples(DataConfig(train_path=path, max_len=16), tok)
+        sft_examples(SFTData(train_path=path, max_len=16), tok)
 
 
 def test_missing_key_names_file_row_and_key(tmp_path, tok):
@@ -87,7 +87,7 @@ def test_missing_key_names_file_row_and_key(tmp_path, tok):
         tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}]
     )
     with pytest.raises(DataError, match=r"p.jsonl.*row 2.*'rejected'"):
-        preference_examples(DataConfig(train_path=path), tok)
+        preference_examples(PreferenceData(train_path=path), tok)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def prompt_of(tok, ids, prompt_len):
 
 def test_preference_prompt_lens_mark_where_the_responses_start(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [GOOD])
-    (pair,) = preference_examples(DataConfig(train_path=path), tok)
+    (pair,) = preference_examples(PreferenceData(train_path=path), tok)
     prompt_ids = tok("<|user|>Say hi.\n<|assistant|>")["input_ids"]
     assert pair["chosen_prompt_len"] == pair["rejected_prompt_len"] == len(prompt_ids)
     assert pair["chosen_ids"][: len(prompt_ids)] == pair["rejected_ids"][: len(prompt_ids)] == prompt_ids
@@ -118,7 +118,7 @@ def test_hh_preference_prompt_lens_may_differ(tmp_path, tok):
     chosen = "\n\nHuman: Say hi.\n\nAssistant: hello there"
     rejected = "\n\nHuman: Say hi.\n\nAssistant: what?\n\nHuman: hi!\n\nAssistant: no"
     path = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": chosen, "rejected": rejected}])
-    (pair,) = preference_examples(DataConfig(train_path=path, prompt_key=None), tok)
+    (pair,) = preference_examples(PreferenceData(train_path=path, prompt_key=None), tok)
     assert pair["chosen_prompt_len"] < pair["rejected_prompt_len"]
     for side, text in (("chosen", chosen), ("rejected", rejected)):
         ids, n = pair[f"{side}_ids"], pair[f"{side}_prompt_len"]
@@ -134,7 +134,7 @@ def test_message_list_preferences_give_prompt_lens(tmp_path, tok):
         "rejected": conv + [{"role": "assistant", "content": "No."}],
     }
     path = write_jsonl(tmp_path / "m.jsonl", [row])
-    (pair,) = preference_examples(DataConfig(train_path=path, prompt_key=None), tok)
+    (pair,) = preference_examples(PreferenceData(train_path=path, prompt_key=None), tok)
     prompt_ids = tok("<|user|>Say hi.\n<|assistant|>")["input_ids"]
     assert pair["chosen_prompt_len"] == len(prompt_ids) and pair["chosen_ids"][: len(prompt_ids)] == prompt_ids
     assert tok.decode(pair["chosen_ids"][len(prompt_ids) : -1]) == "Hello."
@@ -154,24 +154,24 @@ def _refused(path, cfg, tok, *fragments):
 
 def test_pair_missing_key_is_refused(tmp_path, tok):
     path = write_jsonl(tmp_path / "missing.jsonl", [GOOD, {"prompt": "a", "rejected": "c"}])
-    _refused(path, DataConfig(train_path=path), tok, "row 2", "'chosen'", "missing")
+    _refused(path, KTOData(train_path=path), tok, "row 2", "'chosen'", "missing")
 
 
 def test_pair_with_chosen_equal_to_rejected_is_refused(tmp_path, tok):
     path = write_jsonl(tmp_path / "same.jsonl", [GOOD, GOOD, {"prompt": "a", "chosen": "b c", "rejected": "b c"}])
-    message = _refused(path, DataConfig(train_path=path), tok, "row 3", "'chosen'", "'rejected'", "same text")
+    message = _refused(path, KTOData(train_path=path), tok, "row 3", "'chosen'", "'rejected'", "same text")
     assert "drop the row or fix it" in message
     hh = "\n\nHuman: hi\n\nAssistant: hello"
     path = write_jsonl(tmp_path / "same_hh.jsonl", [{"chosen": hh, "rejected": hh}])
-    _refused(path, DataConfig(train_path=path, prompt_key=None), tok, "row 1", "'chosen'", "'rejected'", "same")
+    _refused(path, KTOData(train_path=path, prompt_key=None), tok, "row 1", "'chosen'", "'rejected'", "same")
 
 
 def test_pair_identical_within_max_len_is_refused(tmp_path, tok):
     path = write_jsonl(
         tmp_path / "trunc.jsonl", [{"prompt": "a", "chosen": "word " * 40 + "yes", "rejected": "word " * 40}]
     )
-    _refused(path, DataConfig(train_path=path, max_len=16), tok, "row 1", "'chosen'", "'rejected'", "token ids")
-    (pair,) = preference_examples(DataConfig(train_path=path, max_len=512), tok)  # they differ when not truncated
+    _refused(path, KTOData(train_path=path, max_len=16), tok, "row 1", "'chosen'", "'rejected'", "token ids")
+    (pair,) = preference_examples(PreferenceData(train_path=path, max_len=512), tok)  # they differ when not truncated
     assert pair["chosen_ids"] != pair["rejected_ids"]
 
 
@@ -198,7 +198,7 @@ def test_pair_identical_within_max_len_is_refused(tmp_path, tok):
 )
 def test_pair_with_an_empty_response_is_refused(tmp_path, tok, row, prompt_key, key):
     path = write_jsonl(tmp_path / "empty.jsonl", [GOOD if prompt_key else GOOD_HH, row])
-    _refused(path, DataConfig(train_path=path, prompt_key=prompt_key), tok, "row 2", f"'{key}'")
+    _refused(path, KTOData(train_path=path, prompt_key=prompt_key), tok, "row 2", f"'{key}'")
 
 
 def test_empty_response_message_suggests_the_fix(tmp_path, tok):
@@ -206,7 +206,7 @@ def test_empty_response_message_suggests_the_fix(tmp_path, tok):
         tmp_path / "e.jsonl", [{"chosen": "\n\nHuman: hi\n\nAssistant:", "rejected": "\n\nHuman: hi\n\nAssistant: x"}]
     )
     with pytest.raises(DataError, match=r"e\.jsonl row 1 key 'chosen': the response is empty; drop the row or fix it"):
-        preference_examples(DataConfig(train_path=path, prompt_key=None), tok)
+        preference_examples(PreferenceData(train_path=path, prompt_key=None), tok)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def test_kto_from_pairs_gives_two_examples_per_pair(tmp_path, tok):
         {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Dog."},
     ]
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    examples = kto_examples(DataConfig(train_path=path), tok)
+    examples = kto_examples(KTOData(train_path=path), tok)
     assert [e["desirable"] for e in examples] == [True, False, True, False]
     responses = [tok.decode(e["input_ids"][e["prompt_len"] : -1]) for e in examples]
     assert responses == ["Hello.", "No.", "Blue.", "Dog."]
@@ -237,7 +237,7 @@ def test_kto_kl_ids_pair_each_prompt_with_another_prompts_response(tmp_path, tok
         {"q": "Count to two.", "a": "One, two.", "ok": False},
     ]
     path = write_jsonl(tmp_path / "unpaired.jsonl", rows)
-    cfg = DataConfig(train_path=path, prompt_key="q", response_key="a", label_key="ok")
+    cfg = KTOData(train_path=path, prompt_key="q", response_key="a", label_key="ok")
     examples = kto_examples(cfg, tok)
     assert [e["desirable"] for e in examples] == [True, False, True, False]
     # the next example, cyclically, with a different prompt: rows 0 and 1 share a prompt, so both take row 2's
@@ -257,7 +257,7 @@ def test_kto_kl_ids_pair_each_prompt_with_another_prompts_response(tmp_path, tok
 def test_kto_kl_ids_are_truncated_to_max_len(tmp_path, tok):
     rows = [{"prompt": "a", "response": "b", "label": True}, {"prompt": "c", "response": "word " * 50, "label": False}]
     path = write_jsonl(tmp_path / "long.jsonl", rows)
-    first, second = kto_examples(DataConfig(train_path=path, label_key="label", max_len=16), tok)
+    first, second = kto_examples(KTOData(train_path=path, label_key="label", max_len=16), tok)
     assert len(first["kl_ids"]) == 16 and len(second["input_ids"]) == 16
     assert (
         first["kl_ids"][first["kl_prompt_len"] :]
@@ -271,7 +271,7 @@ def test_kto_unpaired_transcripts_with_prompt_key_null(tmp_path, tok):
         {"text": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}], "label": False},
     ]
     path = write_jsonl(tmp_path / "t.jsonl", rows)
-    cfg = DataConfig(train_path=path, prompt_key=None, response_key="text", label_key="label")
+    cfg = KTOData(train_path=path, prompt_key=None, response_key="text", label_key="label")
     first, second = kto_examples(cfg, tok)
     assert prompt_of(tok, first["input_ids"], first["prompt_len"]) == "\n\nHuman: hi\n\nAssistant:"
     assert tok.decode(first["input_ids"][first["prompt_len"] : -1]) == " hello"
@@ -284,7 +284,7 @@ def test_kto_unpaired_bad_label_is_refused(tmp_path, tok, label):
     rows = [{"prompt": "a", "response": "b", "label": True}, {"prompt": "c", "response": "d", "label": label}]
     path = write_jsonl(tmp_path / "labels.jsonl", rows)
     with pytest.raises(DataError) as info:
-        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+        kto_examples(KTOData(train_path=path, label_key="label"), tok)
     message = str(info.value)
     assert path in message and "row 2" in message and "'label'" in message and "true/false or 1/0" in message
 
@@ -293,32 +293,32 @@ def test_kto_unpaired_missing_label_or_empty_response_is_refused(tmp_path, tok):
     rows = [{"prompt": "a", "response": "b", "label": True}, {"prompt": "c", "response": "d"}]
     path = write_jsonl(tmp_path / "nolabel.jsonl", rows)
     with pytest.raises(DataError, match=r"nolabel\.jsonl row 2 key 'label': missing"):
-        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+        kto_examples(KTOData(train_path=path, label_key="label"), tok)
     rows = [{"prompt": "a", "response": "b", "label": True}, {"prompt": "c", "response": " ", "label": False}]
     path = write_jsonl(tmp_path / "noresp.jsonl", rows)
     with pytest.raises(DataError, match=r"noresp\.jsonl.*row 2.*'response'"):
-        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+        kto_examples(KTOData(train_path=path, label_key="label"), tok)
     rows = [{"text": "\n\nHuman: a\n\nAssistant: b", "label": 1}, {"text": "\n\nHuman: c\n\nAssistant:", "label": 0}]
     path = write_jsonl(tmp_path / "nohh.jsonl", rows)
     with pytest.raises(DataError, match=r"nohh\.jsonl row 2 key 'text': the response is empty"):
-        kto_examples(DataConfig(train_path=path, prompt_key=None, response_key="text", label_key="label"), tok)
+        kto_examples(KTOData(train_path=path, prompt_key=None, response_key="text", label_key="label"), tok)
 
 
 def test_kto_needs_desirable_and_undesirable_examples(tmp_path, tok):
     rows = [{"prompt": "a", "response": "b", "label": 1}, {"prompt": "c", "response": "d", "label": True}]
     path = write_jsonl(tmp_path / "one_kind.jsonl", rows)
     with pytest.raises(DataError, match=r"one_kind\.jsonl: .*desirable.*KTO needs both desirable and undesirable"):
-        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+        kto_examples(KTOData(train_path=path, label_key="label"), tok)
 
 
 def test_kto_needs_two_distinct_prompts(tmp_path, tok):
     rows = [{"prompt": "a", "response": "b", "label": 1}, {"prompt": "a", "response": "d", "label": 0}]
     path = write_jsonl(tmp_path / "one_prompt.jsonl", rows)
     with pytest.raises(DataError, match=r"one_prompt\.jsonl: .*KTO needs at least two distinct prompts"):
-        kto_examples(DataConfig(train_path=path, label_key="label"), tok)
+        kto_examples(KTOData(train_path=path, label_key="label"), tok)
     path = write_jsonl(tmp_path / "one_pair.jsonl", [GOOD, GOOD | {"rejected": "Never."}])
     with pytest.raises(DataError, match="at least two distinct prompts"):
-        kto_examples(DataConfig(train_path=path), tok)
+        kto_examples(KTOData(train_path=path), tok)
 
 
 def test_bundled_preference_data_still_loads(tok):
@@ -327,7 +327,7 @@ def test_bundled_preference_data_still_loads(tok):
         "rlhf_core/assets/data/synthetic/pref_eval.jsonl",
         "tests/data/config_keys/pref.jsonl",
     ):
-        cfg = DataConfig(train_path=path, max_samples=200)
+        cfg = KTOData(train_path=path, max_samples=200)
         pairs = preference_examples(cfg, tok)
         assert pairs and all(0 < p["chosen_prompt_len"] < len(p["chosen_ids"]) for p in pairs)
         examples = kto_examples(cfg, tok)

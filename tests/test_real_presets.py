@@ -27,13 +27,13 @@ def test_preset_loads_validates_and_chains_all_five_stages(name):
     assert cfg.stage("reward_model").model.name_or_path == "stage:sft"
     for stage in RL_STAGES:
         p = cfg.stage(stage)
-        assert p.actor.name_or_path == "stage:sft" and p.reward.name_or_path == "stage:reward_model"
+        assert p.actor.model.name_or_path == "stage:sft" and p.reward.model.name_or_path == "stage:reward_model"
         assert p.train.gold_reward is None  # the synthetic task's gold reward does not apply to real data
-        assert p.colocate_all and p.rollout.enable_sleep and p.offload_states_during_rollout
+        assert p.placement.colocate_all and p.rollout.enable_sleep and p.placement.offload_states_during_rollout
         assert (
-            p.rollout.backend == "vllm" and p.actor_strategy.zero_stage == 3 and p.actor_strategy.precision == "bf16"
+            p.rollout.backend == "vllm" and p.actor.strategy.zero_stage == 3 and p.actor.strategy.precision == "bf16"
         )
-    assert cfg.stage("ppo").actor_strategy.gradient_checkpointing
+    assert cfg.stage("ppo").actor.strategy.gradient_checkpointing
 
 
 @pytest.mark.parametrize("name", PRESETS)

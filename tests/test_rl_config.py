@@ -18,15 +18,21 @@ GRPO = PRESETS / "tiny-grpo.yaml"
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["ppo.algo.advantage_estimator=grpo"], r"'ppo.critic' is set but .* grpo builds no critic"),
-        (["ppo.critic=null"], r"'ppo.critic.name_or_path' is required: algo.advantage_estimator=gae needs one"),
-        (["critic_warmup.critic=null"], r"'critic_warmup.critic.name_or_path' is required: the critic warm-up"),
+        (["ppo.algo.advantage_estimator=grpo"], r"'ppo.critic.model' is set but .* grpo builds no critic"),
         (
-            ["ppo.critic=null", "ppo.algo.advantage_estimator=rloo", "ppo.rollout.n_samples_per_prompt=1"],
+            ["ppo.critic.model=null"],
+            r"'ppo.critic.model.name_or_path' is required: algo.advantage_estimator=gae needs one",
+        ),
+        (
+            ["critic_warmup.critic.model=null"],
+            r"'critic_warmup.critic.model.name_or_path' is required: the critic warm-up",
+        ),
+        (
+            ["ppo.critic.model=null", "ppo.algo.advantage_estimator=rloo", "ppo.rollout.n_samples_per_prompt=1"],
             r"'ppo.algo.advantage_estimator' = rloo .* 'ppo.rollout.n_samples_per_prompt' >= 2 \(it is 1\)",
         ),
         (["ppo.algo.dynamic_filter=true", "ppo.rollout.n_samples_per_prompt=1"], r"'ppo.algo.dynamic_filter'"),
-        (["ppo.reward=null"], r"'ppo' has no reward: give 'ppo.reward.name_or_path'"),
+        (["ppo.reward.model=null"], r"'ppo' has no reward: give 'ppo.reward.model.name_or_path'"),
         (["ppo.reward_weights={reward_fn: 2.0}"], r"'ppo.reward_weights.reward_fn' weighs no reward source"),
         (["ppo.algo.dual_clip=1.0"], r"'ppo.algo.dual_clip': must be > 1"),
         (["ppo.algo.eps_clip_high=0"], r"'ppo.algo.eps_clip_high'"),
@@ -63,9 +69,9 @@ def test_the_critic_free_presets_have_no_critic_stage(preset):
     assert "critic_init" not in kinds and "critic_warmup" not in kinds
     (rl,) = [name for name in cfg.stages if cfg.kind(name) == "ppo"]
     section = cfg.stage(rl)
-    assert section.critic is None and section.algo.advantage_estimator != "gae"
+    assert section.critic.model is None and section.algo.advantage_estimator != "gae"
     if preset == "tiny-rlvr":
-        assert section.reward is None and section.reward_fn.endswith("gold.py:gold_rewards")
+        assert section.reward.model is None and section.reward_fn.endswith("gold.py:gold_rewards")
         assert "reward_model" not in cfg.stages
 
 

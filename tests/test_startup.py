@@ -10,7 +10,7 @@ import time
 import pytest
 
 from bench.startup import first_step_offset
-from rlhf_core.config import StrategyConfig, load_config
+from rlhf_core.config import StrategyConfig, as_ppo, load_config
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.placement import RoleSet, resource_demand
 from rlhf_core.distributed.rollout.vllm_engine import cpu_kv_cache_bytes
@@ -188,8 +188,8 @@ def test_ray_cpus_of_each_kind_is_what_its_job_asks_init_ray_for():
     assert ray_cpus(cfg.stage("reward_model")) == 1.0
     assert ray_cpus(cfg.stage("critic_init")) is None  # no Ray
     for stage in ("critic_warmup", "ppo"):
-        p = cfg.stage(stage)
-        assert ray_cpus(p) == resource_demand(p, RoleSet.of(p), "cpu")["CPU"]
+        p = as_ppo(cfg.stage(stage))  # the warm-up's section run as PPO's, as its job runs it
+        assert ray_cpus(cfg.stage(stage)) == resource_demand(p, RoleSet.of(p), "cpu")["CPU"]
 
 
 def test_bench_reads_the_first_step_from_old_and_new_output():

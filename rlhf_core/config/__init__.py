@@ -14,16 +14,24 @@ A model path is a Hugging Face directory or hub name, ``builtin:<name>`` (a tiny
 ``rlhf_core/assets/models/<name>.json`` with a fixed seed), or ``stage:<name>`` (the output of an earlier stage of
 the same run, read from ``<run_uri>/<name>/`` after its manifest is verified).
 
-The package, in reading order: ``fields`` (``opt``, ``required``, ``ConfigError``), ``sections`` (the sections several
-kinds share), ``stages`` (one section per kind), ``kinds`` (``STAGE_KINDS``), ``pipeline`` (run-level keys and the
-stage graph), ``loading`` (YAML, overrides, the loop, types), ``validation`` (cross-field checks), ``hashing`` (a
-stage's config hash) and ``serialise`` (``to_yaml`` with redaction, ``describe``). ``python -m rlhf_core.config``
-lists every key.
+The package, in reading order: ``fields`` (``opt``, ``required``, ``ConfigError``, ``check``), ``sections`` (the
+sections several kinds share: model, data by row shape, workers and strategy, optimizer, training loop, rollout),
+one module per kind (``sft``, ``reward_model``, ``critic_init``, ``dpo``, ``kto``, ``generate``, ``score``, and for
+the PPO kinds ``rl`` (their role sections), ``critic_warmup`` (with the checks both share) and ``ppo``), each section
+with its own ``validate``; ``kinds`` (``STAGE_KINDS``), ``pipeline`` (run-level keys and the stage graph),
+``loading`` (YAML, overrides, the loop, types, renamed keys), ``validation`` (run-level checks), ``hashing`` (a
+stage's config hash), ``redact`` (credentials out of URLs) and ``serialise`` (``to_yaml``, ``describe``).
+``python -m rlhf_core.config`` lists every key.
 """
 
+from rlhf_core.config.critic_init import CriticInitConfig
+from rlhf_core.config.critic_warmup import CriticWarmupConfig, reward_sources
+from rlhf_core.config.dpo import DPOConfig, PreferenceConfig
 from rlhf_core.config.fields import ConfigError
+from rlhf_core.config.generate import GenerateConfig
 from rlhf_core.config.hashing import stage_hash
 from rlhf_core.config.kinds import STAGE_KINDS, StageKind
+from rlhf_core.config.kto import KTOConfig
 from rlhf_core.config.loading import flatten, load_config
 from rlhf_core.config.pipeline import (
     STAGE_PREFIX,
@@ -35,34 +43,62 @@ from rlhf_core.config.pipeline import (
     TrackingConfig,
     WandbConfig,
 )
-from rlhf_core.config.sections import DataConfig, ModelConfig, OptimConfig, RolloutConfig, StrategyConfig, TrainConfig
-from rlhf_core.config.serialise import describe, redact_tracking_uri, redact_url, to_dict, to_yaml
-from rlhf_core.config.stages import (
+from rlhf_core.config.ppo import PPOAlgoConfig, PPOConfig, PPOTrainConfig, as_ppo, uses_critic
+from rlhf_core.config.redact import redact_tracking_uri, redact_url
+from rlhf_core.config.reward_model import RewardModelConfig
+from rlhf_core.config.rl import (
     REWARD_SOURCES,
-    CriticInitConfig,
-    DPOConfig,
-    GenerateConfig,
-    KTOConfig,
-    PPOAlgoConfig,
-    PPOConfig,
-    PPOTrainConfig,
-    PreferenceConfig,
+    ActorRole,
+    CriticRole,
+    FrozenActorRole,
+    FrozenWorkersConfig,
+    PlacementConfig,
+    ReferenceRole,
     RemoteRewardConfig,
-    RewardModelConfig,
-    ScoreConfig,
-    SFTConfig,
-    reward_sources,
-    uses_critic,
+    RewardRole,
+    RLTrainConfig,
+    ValueAlgoConfig,
 )
+from rlhf_core.config.score import ScoreConfig
+from rlhf_core.config.sections import (
+    DataSource,
+    GeneratePrompts,
+    HeldOutSource,
+    InferenceStrategy,
+    KTOData,
+    ModelConfig,
+    OptimConfig,
+    PreferenceData,
+    PromptData,
+    ReadModelConfig,
+    RolloutConfig,
+    ScoreRows,
+    SFTData,
+    StrategyConfig,
+    SyncedRolloutConfig,
+    TrainConfig,
+    WorkerConfig,
+)
+from rlhf_core.config.serialise import describe, to_dict, to_yaml
+from rlhf_core.config.sft import SFTConfig
 from rlhf_core.config.validation import validate
 
 __all__ = [
+    "ActorRole",
     "ConfigError",
     "CriticInitConfig",
+    "CriticRole",
+    "CriticWarmupConfig",
     "DPOConfig",
-    "DataConfig",
+    "DataSource",
+    "FrozenActorRole",
+    "FrozenWorkersConfig",
     "GenerateConfig",
+    "GeneratePrompts",
+    "HeldOutSource",
+    "InferenceStrategy",
     "KTOConfig",
+    "KTOData",
     "LoopConfig",
     "MLflowConfig",
     "ModelConfig",
@@ -71,22 +107,35 @@ __all__ = [
     "PPOConfig",
     "PPOTrainConfig",
     "PipelineConfig",
+    "PlacementConfig",
     "PreferenceConfig",
+    "PreferenceData",
+    "PromptData",
     "REWARD_SOURCES",
+    "RLTrainConfig",
+    "ReadModelConfig",
+    "ReferenceRole",
     "RemoteRewardConfig",
     "RewardModelConfig",
+    "RewardRole",
     "RolloutConfig",
     "SFTConfig",
+    "SFTData",
     "STAGE_KINDS",
     "STAGE_PREFIX",
     "ScoreConfig",
+    "ScoreRows",
     "StageKind",
     "StageSpec",
     "StorageConfig",
     "StrategyConfig",
+    "SyncedRolloutConfig",
     "TrackingConfig",
     "TrainConfig",
+    "ValueAlgoConfig",
     "WandbConfig",
+    "WorkerConfig",
+    "as_ppo",
     "describe",
     "flatten",
     "load_config",

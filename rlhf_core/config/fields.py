@@ -31,3 +31,9 @@ def _copy(value: Any) -> Any:
 def join_key(prefix: str, name: str) -> str:
     """The dotted key of field ``name`` in the section at ``prefix`` (``""`` = the top level)."""
     return f"{prefix}.{name}" if prefix else str(name)
+
+
+def check(ok: bool, key: str, value: Any, why: str) -> None:
+    """Raise ``ConfigError`` naming ``key`` and its ``value`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"invalid value {value!r} for '{key}': {why}")

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.config.serialise import redact_url
+from rlhf_core.config.redact import redact_url
 
 # Fields that do not change what a stage computes: left out of its config hash so that, for example, keeping more
 # checkpoints or moving the run does not invalidate a finished stage or its in-stage checkpoints.
@@ -21,8 +21,6 @@ _NOT_HASHED = {
     "cpus_per_worker",
     "threads_per_worker",
     "resources",
-    "reward_resources",
-    "reference_resources",
     "weight_sync_backend",
     "weight_sync_bucket_mb",
     "enable_sleep",
@@ -30,7 +28,7 @@ _NOT_HASHED = {
     "gpu_memory_utilization",
     "kv_cache_gib",
     "enforce_eager",
-    "frozen_offload",
+    "offload",  # frozen.offload: where the frozen models' partitions live
 }
 
 

@@ -1,5 +1,5 @@
-"""The registry of stage kinds: each kind's config section, the job module that runs an instance, and the keys of
-its shared sections that it has no use for.
+"""The registry of stage kinds: each kind's config section (one module per kind in this package) and the job module
+that runs an instance.
 
 The built-in kinds are listed here. Another package adds a kind without changing this project: it exposes a
 ``StageKind`` under the entry-point group ``rlhf_pipeline.stage_kinds`` (the entry point's name is the kind's
@@ -8,151 +8,44 @@ name), and ``STAGE_KINDS`` reads the group the first time it is used (CONTRIBUTI
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from rlhf_core.config.critic_init import CriticInitConfig
+from rlhf_core.config.critic_warmup import CriticWarmupConfig
+from rlhf_core.config.dpo import DPOConfig
 from rlhf_core.config.fields import ConfigError
-from rlhf_core.config.sections import OptimConfig
-from rlhf_core.config.stages import (
-    CriticInitConfig,
-    DPOConfig,
-    GenerateConfig,
-    KTOConfig,
-    PPOConfig,
-    RewardModelConfig,
-    ScoreConfig,
-    SFTConfig,
-)
+from rlhf_core.config.generate import GenerateConfig
+from rlhf_core.config.kto import KTOConfig
+from rlhf_core.config.ppo import PPOConfig
+from rlhf_core.config.reward_model import RewardModelConfig
+from rlhf_core.config.score import ScoreConfig
+from rlhf_core.config.sft import SFTConfig
 
 
 @dataclass(frozen=True)
 class StageKind:
-    """What a kind of stage is: its config section, the job module that runs one instance, and what it does."""
+    """What a kind of stage is: its config section, the job module that runs one instance, and what it does. The
+    section is a dataclass of the keys the kind reads, with a ``validate(stage_name)`` method, raising
+    ``ConfigError``, for the checks that span its fields (run by ``load_config`` after every value has its type)."""
 
     name: str
     section: type
     job: str  # python -m <job> --config FILE --stage NAME
     description: str
-    # Keys of the (shared) section classes that this kind has no use for, relative to the section: left out of the
-    # documentation and refused when a preset or an override sets them, so that no key is silently ignored.
-    unused: frozenset[str] = frozenset()
-    # The kind's own cross-field checks, ``check(stage_name, section)``, raising ConfigError; run after the built-in
-    # checks of ``validation.validate``.
-    check: Callable[[str, Any], None] | None = None
 
-
-_PREFERENCE_KEYS = ("data.prompt_key", "data.chosen_key", "data.rejected_key")
-_GENERATED_KEYS = ("data.response_key", "data.label_key")
-_PROMPT_ONLY = frozenset(("data.output_key", *_PREFERENCE_KEYS, *_GENERATED_KEYS))
-# frozen workers (generate's log-prob groups, score's reward model) pick their attention themselves (FrozenStrategy)
-_NOT_TRAINED = (
-    "strategy.zero_stage",
-    "strategy.offload_optimizer",
-    "strategy.gradient_checkpointing",
-    "strategy.attn_implementation",
-)
-_NOT_SYNCED = ("rollout.enable_sleep", "rollout.weight_sync_backend", "rollout.weight_sync_bucket_mb")
-# the actor's loss and the critic-free estimators: the critic warm-up (GAE, the actor frozen) has no use for them
-_ACTOR_LOSS = (
-    "algo.advantage_estimator",
-    "algo.eps_clip_high",
-    "algo.dual_clip",
-    "algo.loss_agg",
-    "algo.kl_loss_unbiased",
-    "algo.entropy_coef",
-    "algo.is_correction_cap",
-    "algo.dynamic_filter",
-)
-_ACTOR_OPTIM = tuple(f"actor_optim.{f.name}" for f in dataclasses.fields(OptimConfig))
 
 _KINDS = (
-    StageKind(
-        name="sft",
-        section=SFTConfig,
-        job="rlhf_core.jobs.sft",
-        description="Supervised fine-tuning of a causal LM.",
-        unused=frozenset({*_PREFERENCE_KEYS, *_GENERATED_KEYS}),
-    ),
-    StageKind(
-        name="reward_model",
-        section=RewardModelConfig,
-        job="rlhf_core.jobs.reward_model",
-        description="Reward model on preferences.",
-        unused=frozenset({"data.input_key", "data.output_key", *_GENERATED_KEYS}),
-    ),
-    StageKind(
-        name="critic_init",
-        section=CriticInitConfig,
-        job="rlhf_core.jobs.critic_init",
-        description="Critic = copy of a reward model.",
-        unused=frozenset({"model.init_seed"}),
-    ),
-    StageKind(
-        name="critic_warmup",
-        section=PPOConfig,
-        job="rlhf_core.jobs.critic_warmup",
-        description="PPO loop with the actor frozen.",
-        unused=_PROMPT_ONLY
-        | {
-            "train.freeze_actor_steps",
-            "train.save_critic",
-            "algo.eps_clip",
-            "algo.whiten_advantages",
-            "actor_strategy.gradient_checkpointing",
-            "actor_strategy.offload_optimizer",
-            *_ACTOR_OPTIM,
-            *_ACTOR_LOSS,
-        },
-    ),
-    StageKind(
-        name="ppo",
-        section=PPOConfig,
-        job="rlhf_core.jobs.ppo",
-        description="Ray-distributed PPO.",
-        unused=_PROMPT_ONLY,
-    ),
-    StageKind(
-        name="dpo",
-        section=DPOConfig,
-        job="rlhf_core.jobs.dpo",
-        description="DPO, IPO or cDPO on preference pairs.",
-        unused=frozenset({"data.input_key", "data.output_key", *_GENERATED_KEYS}),
-    ),
-    StageKind(
-        name="kto",
-        section=KTOConfig,
-        job="rlhf_core.jobs.kto",
-        description="KTO on desirable/undesirable examples.",
-        unused=frozenset({"data.input_key", "data.output_key"}),
-    ),
-    StageKind(
-        name="generate",
-        section=GenerateConfig,
-        job="rlhf_core.jobs.generate",
-        description="n responses per prompt -> a dataset.",
-        unused=_PROMPT_ONLY | {"data.eval_path", "data.eval_split", *_NOT_TRAINED, *_NOT_SYNCED},
-    ),
-    StageKind(
-        name="score",
-        section=ScoreConfig,
-        job="rlhf_core.jobs.score",
-        description="Scores rows with a reward model or function.",
-        unused=frozenset(
-            {
-                "data.eval_path",
-                "data.eval_split",
-                "data.input_key",
-                "data.output_key",
-                "data.chosen_key",
-                "data.rejected_key",
-                "data.label_key",
-                *_NOT_TRAINED,
-            }
-        ),
-    ),
+    StageKind("sft", SFTConfig, "rlhf_core.jobs.sft", "Supervised fine-tuning of a causal LM."),
+    StageKind("reward_model", RewardModelConfig, "rlhf_core.jobs.reward_model", "Reward model on preferences."),
+    StageKind("critic_init", CriticInitConfig, "rlhf_core.jobs.critic_init", "Critic = copy of a reward model."),
+    StageKind("critic_warmup", CriticWarmupConfig, "rlhf_core.jobs.critic_warmup", "PPO loop with the actor frozen."),
+    StageKind("ppo", PPOConfig, "rlhf_core.jobs.ppo", "Ray-distributed PPO."),
+    StageKind("dpo", DPOConfig, "rlhf_core.jobs.dpo", "DPO, IPO or cDPO on preference pairs."),
+    StageKind("kto", KTOConfig, "rlhf_core.jobs.kto", "KTO on desirable/undesirable examples."),
+    StageKind("generate", GenerateConfig, "rlhf_core.jobs.generate", "n responses per prompt -> a dataset."),
+    StageKind("score", ScoreConfig, "rlhf_core.jobs.score", "Scores rows with a reward model or function."),
 )
 PLUGIN_GROUP = "rlhf_pipeline.stage_kinds"
 

@@ -131,10 +131,6 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     cfg.loop, cfg.iterations = loop, iterations
     cfg.stages = {name: _build_stage(str(name), entry) for name, entry in stages.items()}
     validate(cfg)
-    for name, spec in cfg.stages.items():
-        check = STAGE_KINDS[spec.kind].check
-        if check is not None:
-            check(name, spec.section)
     return cfg
 
 
@@ -207,12 +203,6 @@ def _build_stage(name: str, entry: Any) -> StageSpec:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         what = f"unknown kind {kind!r}" if kind is not None else "no kind"
         raise ConfigError(f"stage '{name}' has {what}: set '{name}.kind' to one of {', '.join(STAGE_KINDS)}{hint}")
-    for key in sorted(kind_spec.unused):
-        node: Any = entry
-        for part in key.split("."):
-            node = node.get(part, MISSING) if isinstance(node, dict) else MISSING
-        if node is not MISSING:
-            raise ConfigError(f"'{name}.{key}' does not apply to a {kind} stage: remove it")
     return StageSpec(name, kind, _build(kind_spec.section, entry, name))
 
 
@@ -262,6 +252,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
+            _refuse_moved(cls, prefix, key, data[key])
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean '{join_key(prefix, close[0])}'?" if close else ""
             raise ConfigError(f"unknown config key '{join_key(prefix, key)}' in {where}{hint}")
@@ -278,6 +269,35 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         elif f.default is MISSING and f.default_factory is MISSING:  # type: ignore[misc]
             raise ConfigError(f"missing required config key '{key}': {f.metadata.get('help', '')}")
     return cls(**kwargs)
+
+
+def _refuse_moved(cls: type, prefix: str, key: str, value: Any) -> None:
+    """Refuse a key that an earlier version spelled this way (a section's ``RENAMED``: old name -> new relative path),
+    naming the new spelling of the leaf that was set: 'ppo.actor_strategy.zero_stage' is now
+    'ppo.actor.strategy.zero_stage'."""
+    moved = getattr(cls, "RENAMED", {}).get(key)
+    if moved is None:
+        return
+    leaf = next(iter(flatten(value)), "") if isinstance(value, dict) and value else ""
+    if not _has_key(cls, f"{moved}.{leaf}" if leaf else moved):
+        return  # a key that this kind never had (the critic warm-up's actor optimizer): refused as unknown
+    old, new = join_key(prefix, key), join_key(prefix, moved)
+    if leaf:
+        old, new = f"{old}.{leaf}", f"{new}.{leaf}"
+    raise ConfigError(f"'{old}' is now '{new}': the PPO-kind sections are grouped by role; rename the key")
+
+
+def _has_key(cls: type, dotted: str) -> bool:
+    """Whether the section ``cls`` has the (nested) key ``dotted``."""
+    head, _, rest = dotted.partition(".")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if head not in fields:
+        return False
+    if not rest:
+        return True
+    tp = typing.get_type_hints(cls)[head]
+    inner = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+    return bool(inner) and _has_key(inner[0], rest)
 
 
 def _deep_merge(base: dict, update: dict) -> dict:

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlhf_core.config.fields import ConfigError, opt, required
-from rlhf_core.config.sections import DataConfig, ModelConfig
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 STAGE_PREFIX = "stage:"
@@ -83,19 +83,26 @@ class StageSpec:
 
     def upstream(self) -> list[tuple[str, str]]:
         """(config key, stage name) of every ``stage:<name>`` model or dataset this instance reads, in field order."""
-        out = []
-        for field_name, value in vars(self.section).items():
-            if isinstance(value, ModelConfig) and value.name_or_path.startswith(STAGE_PREFIX):
-                out.append((f"{self.name}.{field_name}.name_or_path", value.name_or_path[len(STAGE_PREFIX) :]))
-            if isinstance(value, DataConfig):
-                for key in ("train_path", "eval_path"):
-                    path = getattr(value, key)
-                    if path is not None and path.startswith(STAGE_PREFIX):
-                        out.append((f"{self.name}.{field_name}.{key}", path[len(STAGE_PREFIX) :]))
-        return out
+        return _stage_paths(self.section, self.name)
 
     def upstream_names(self) -> list[str]:
         return sorted({name for _, name in self.upstream()})
+
+
+def _stage_paths(section: Any, prefix: str) -> list[tuple[str, str]]:
+    """(key, stage name) of the ``stage:`` paths in a section and its sub-sections: models' ``name_or_path`` and data
+    sections' ``train_path``/``eval_path``."""
+    out = []
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), f"{prefix}.{f.name}"
+        if f.name in _PATH_KEYS and isinstance(value, str) and value.startswith(STAGE_PREFIX):
+            out.append((key, value[len(STAGE_PREFIX) :]))
+        elif dataclasses.is_dataclass(value):
+            out += _stage_paths(value, key)
+    return out
+
+
+_PATH_KEYS = ("name_or_path", "train_path", "eval_path")
 
 
 @dataclass

@@ -11,34 +11,10 @@ import yaml
 
 from rlhf_core.config.fields import MISSING, join_key
 from rlhf_core.config.kinds import STAGE_KINDS
-from rlhf_core.config.pipeline import PipelineConfig, StageSpec
+from rlhf_core.config.pipeline import PipelineConfig
+from rlhf_core.config.redact import redact_tracking_uri, redact_url
 
 _SECRETS = {"key", "secret"}
-
-
-def redact_url(url: str) -> str:
-    """``url`` without credentials (``user:password@``), query string and fragment: safe to log."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
-    except ValueError:  # unparsable (a bad port...): keep only what is before any '@', '?' or '#'
-        head, sep, rest = url.partition("://")
-        rest = rest.rpartition("@")[2] if sep else head.rpartition("@")[2]
-        rest = rest.split("?", 1)[0].split("#", 1)[0]
-        return f"{head}://{rest}" if sep else rest
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    netloc = f"{host}:{port}" if port is not None else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def redact_tracking_uri(uri: str) -> str:
-    """An MLflow tracking URI without a ``user:password@`` (``redact_url``); a URI without one (``sqlite:////abs.db``,
-    which ``redact_url`` would shorten) is kept as it is."""
-    return redact_url(uri) if "@" in uri else uri
 
 
 def to_dict(cfg: Any, redact: bool = True) -> dict:
@@ -47,7 +23,7 @@ def to_dict(cfg: Any, redact: bool = True) -> dict:
     if not isinstance(cfg, PipelineConfig):
         return dataclasses.asdict(cfg)
     out = {"run_uri": cfg.run_uri, "storage": dataclasses.asdict(cfg.storage)}
-    out["stages"] = {name: {"kind": s.kind, **_section_dict(s)} for name, s in cfg.stages.items()}
+    out["stages"] = {name: {"kind": s.kind, **dataclasses.asdict(s.section)} for name, s in cfg.stages.items()}
     out["tracking"] = dataclasses.asdict(cfg.tracking)
     if redact:
         if out["tracking"]["mlflow"] and out["tracking"]["mlflow"]["tracking_uri"]:
@@ -58,18 +34,6 @@ def to_dict(cfg: Any, redact: bool = True) -> dict:
         for section in out["stages"].values():
             if section.get("remote_rm_url"):
                 section["remote_rm_url"] = redact_url(section["remote_rm_url"])
-    return out
-
-
-def _section_dict(spec: StageSpec) -> dict:
-    """The section as a dict, without the keys its kind does not use (a reload would refuse them)."""
-    out = dataclasses.asdict(spec.section)
-    for key in STAGE_KINDS[spec.kind].unused:
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node[part]
-        node.pop(leaf, None)
     return out
 
 
@@ -90,8 +54,7 @@ def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[tuple[st
         if cls is PipelineConfig and f.name == "stages":
             for kind in STAGE_KINDS.values():
                 rows.append((f"{kind.name}.kind", repr(kind.name), f"Stage kind: {kind.description}"))
-                unused = {f"{kind.name}.{k}" for k in kind.unused}
-                rows += [row for row in describe(kind.section, kind.name) if row[0] not in unused]
+                rows += describe(kind.section, kind.name)
             continue
         tp = hints[f.name]
         inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import DataConfig
+from rlhf_core.config import (
+    DataSource,
+    GeneratePrompts,
+    HeldOutSource,
+    KTOData,
+    PreferenceData,
+    PromptData,
+    SFTData,
+)
 from rlhf_core.data.loading import DataError, load_rows, require_keys
 
 HH_ASSISTANT = "\n\nAssistant:"
@@ -54,7 +62,7 @@ def _chat_template(tokenizer: Any, messages: list[dict], where: str | None) -> s
     )
 
 
-def render_prompt(prompt: Any, tokenizer: Any, cfg: DataConfig, where: str | None = None) -> str:
+def render_prompt(prompt: Any, tokenizer: Any, cfg: DataSource, where: str | None = None) -> str:
     """Prompt text as the model sees it (a string, or a list of {'role', 'content'} messages)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, list):
@@ -68,7 +76,7 @@ def render_prompt(prompt: Any, tokenizer: Any, cfg: DataConfig, where: str | Non
     return prompt
 
 
-def _split_conversation(value: Any, tokenizer: Any, cfg: DataConfig, where: str) -> tuple[str, str]:
+def _split_conversation(value: Any, tokenizer: Any, cfg: DataSource, where: str) -> tuple[str, str]:
     """(prompt text, response text) of a full conversation: HH text or a message list ending with the answer."""
     if isinstance(value, list):
         if not value or value[-1].get("role") != "assistant":
@@ -104,15 +112,16 @@ def _warn_truncated(source: str, truncated: int, total: int, max_len: int) -> No
         print(f"warning: {source}: {truncated} of {total} rows truncated to data.max_len={max_len}", file=sys.stderr)
 
 
-def _rows(cfg: DataConfig, split: str, storage_options: dict | None) -> tuple[str, list[dict]]:
-    source = cfg.train_path if split == "train" else cfg.eval_path
-    assert source is not None, "eval_path must be checked by the config"
-    hf_split = cfg.train_split if split == "train" else cfg.eval_split
-    max_rows = cfg.max_samples if split == "train" else None
+def _rows(cfg: DataSource, split: str, storage_options: dict | None) -> tuple[str, list[dict]]:
+    if split == "train":
+        source, hf_split, max_rows = cfg.train_path, cfg.train_split, cfg.max_samples
+    else:
+        assert isinstance(cfg, HeldOutSource) and cfg.eval_path is not None, "eval_path must be checked by the config"
+        source, hf_split, max_rows = cfg.eval_path, cfg.eval_split, None
     return source, load_rows(source, split=hf_split, storage_options=storage_options, max_rows=max_rows)
 
 
-def sft_examples(cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None) -> list:
+def sft_examples(cfg: SFTData, tokenizer: Any, split: str = "train", storage_options: dict | None = None) -> list:
     """[{'input_ids', 'loss_mask'}]: loss on the response tokens and the final EOS only."""
     source, rows = _rows(cfg, split, storage_options)
     if cfg.output_key:
@@ -145,7 +154,7 @@ def _response_text(value: Any, where: str) -> str:
     return value
 
 
-def _prompt_and_response(row: dict, key: str, tokenizer: Any, cfg: DataConfig, where: str) -> tuple[str, str]:
+def _prompt_and_response(row: dict, key: str, tokenizer: Any, cfg: PreferenceData, where: str) -> tuple[str, str]:
     """(rendered prompt, response text) of ``row[key]``, the prompt from ``cfg.prompt_key`` or from the transcript.
 
     An empty (or whitespace-only) response is refused: ``where`` names the file, row and key.
@@ -166,7 +175,7 @@ def _encode_parts(tokenizer: Any, prompt: str, response: str, max_len: int, wher
 
 
 def _pairs(
-    cfg: DataConfig, tokenizer: Any, split: str, storage_options: dict | None
+    cfg: PreferenceData, tokenizer: Any, split: str, storage_options: dict | None
 ) -> tuple[str, list[tuple[tuple, tuple]]]:
     """(source, [(chosen, rejected)]), each side (prompt text, prompt ids, response ids + EOS), checked.
 
@@ -211,7 +220,7 @@ def _pairs(
 
 
 def preference_examples(
-    cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None
+    cfg: PreferenceData, tokenizer: Any, split: str = "train", storage_options: dict | None = None
 ) -> list:
     """[{'chosen_ids', 'rejected_ids', 'chosen_prompt_len', 'rejected_prompt_len'}] for the reward model and DPO.
 
@@ -251,7 +260,7 @@ def _label(row: dict, key: str, where: str) -> bool:
 
 
 def kto_examples(
-    cfg: DataConfig, tokenizer: Any, split: str = "train", storage_options: dict | None = None
+    cfg: KTOData, tokenizer: Any, split: str = "train", storage_options: dict | None = None
 ) -> list[dict]:
     """[{'input_ids', 'prompt_len', 'desirable', 'kl_ids', 'kl_prompt_len'}] for KTO.
 
@@ -325,7 +334,7 @@ def pad_right(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
 
 
 def prompt_examples(
-    cfg: DataConfig,
+    cfg: PromptData | GeneratePrompts,
     tokenizer: Any,
     split: str = "train",
     storage_options: dict | None = None,

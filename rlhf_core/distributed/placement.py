@@ -22,6 +22,7 @@ from rlhf_core.config import (
     PPOConfig,
     RolloutConfig,
     StrategyConfig,
+    SyncedRolloutConfig,
     uses_critic,
 )
 from rlhf_core.distributed.launcher import check_resources
@@ -48,7 +49,7 @@ def needs_kl(algo: PPOAlgoConfig) -> bool:
 def actor_is_reference(p: PPOConfig, train_actor: bool) -> bool:
     """The policy is the reference at every step: the actor never trains (the critic warm-up) and the reference is its
     starting model (``reference`` null). The actor's old log-probs are then the reference's, and the KL is 0."""
-    return not train_actor and p.reference is None
+    return not train_actor and p.reference.model is None
 
 
 @dataclass(frozen=True)
@@ -69,27 +70,27 @@ class RoleSet:
         return cls(
             critic=uses_critic(kind, p),
             reference=needs_kl(p.algo) and not actor_is_reference(p, train_actor),
-            reward_model=p.reward is not None,
+            reward_model=p.reward.model is not None,
         )
 
 
 def role_workers(p: PPOConfig, roles: RoleSet) -> dict[str, int]:
     """Ray workers per role, 0 for a role the stage does not build."""
     return {
-        "actor": p.actor_strategy.num_workers,
-        "critic": p.critic_strategy.num_workers if roles.critic else 0,
-        "reward": p.reward_workers if roles.reward_model else 0,
-        "reference": p.reference_workers if roles.reference else 0,
+        "actor": p.actor.strategy.num_workers,
+        "critic": p.critic.strategy.num_workers if roles.critic else 0,
+        "reward": p.reward.workers if roles.reward_model else 0,
+        "reference": p.reference.workers if roles.reference else 0,
     }
 
 
 def role_models(p: PPOConfig, roles: RoleSet) -> dict[str, ModelConfig]:
     """The model each role loads (what ``jobs.common.setup_stage`` fetches and hashes); the reference defaults to
     the actor's starting model."""
-    models = {"actor": p.actor}
-    models.update({"critic": p.critic} if roles.critic else {})
-    models.update({"reward": p.reward} if roles.reward_model else {})
-    models.update({"reference": p.reference or p.actor} if roles.reference else {})
+    models = {"actor": p.actor.model}
+    models.update({"critic": p.critic.model} if roles.critic else {})
+    models.update({"reward": p.reward.model} if roles.reward_model else {})
+    models.update({"reference": p.reference.model or p.actor.model} if roles.reference else {})
     return models
 
 
@@ -106,19 +107,21 @@ def row_multiple(p: PPOConfig, roles: RoleSet) -> int:
 def resource_demand(p: PPOConfig, roles: RoleSet, device: str) -> dict[str, float]:
     """Ray resources the roles and engines ask for (colocated roles share their partner's devices)."""
     workers = role_workers(p, roles)
-    actor, critic, rollout = p.actor_strategy, p.critic_strategy, p.rollout
+    actor, critic, rollout = p.actor.strategy, p.critic.strategy, p.rollout
     cpus = actor.num_workers * actor.cpus_per_worker + workers["critic"] * critic.cpus_per_worker
-    cpus += (workers["reward"] + workers["reference"]) * p.frozen_cpus_per_worker
+    cpus += (workers["reward"] + workers["reference"]) * p.frozen.cpus_per_worker
     cpus += rollout.num_engines * rollout.cpus_per_engine
     demand = {"CPU": cpus}
     if device == "cuda":
         gpus = actor.num_workers + workers["critic"] + rollout.num_engines * rollout.tensor_parallel_size
-        gpus += 0 if (p.colocate_actor_ref or p.colocate_all) else workers["reference"]
-        gpus += 0 if (p.colocate_critic_reward or p.colocate_all) else workers["reward"]
-        if p.colocate_all:  # every role and engine in the actor's bundles (check_fits: the engines' GPUs fit there)
+        gpus += 0 if (p.placement.colocate_actor_ref or p.placement.colocate_all) else workers["reference"]
+        gpus += 0 if (p.placement.colocate_critic_reward or p.placement.colocate_all) else workers["reward"]
+        if (
+            p.placement.colocate_all
+        ):  # every role and engine in the actor's bundles (check_fits: the engines' GPUs fit there)
             gpus = actor.num_workers
         demand["GPU"] = gpus
-    if p.colocate_all:  # one bundle of 1 CPU per actor rank, shared by all roles and the engines
+    if p.placement.colocate_all:  # one bundle of 1 CPU per actor rank, shared by all roles and the engines
         demand["CPU"] = actor.num_workers
     for count, _, resources in pinned_groups("", p, roles).values():  # custom resources: pins to nodes
         for name, amount in resources.items():
@@ -129,13 +132,13 @@ def resource_demand(p: PPOConfig, roles: RoleSet, device: str) -> dict[str, floa
 def pinned_groups(stage: str, p: PPOConfig, roles: RoleSet) -> Groups:
     """The groups that ask for Ray custom resources (pins to nodes), by the config key of their resources."""
     workers = role_workers(p, roles)
-    actor, critic, rollout = p.actor_strategy, p.critic_strategy, p.rollout
-    frozen = p.frozen_cpus_per_worker
+    actor, critic, rollout = p.actor.strategy, p.critic.strategy, p.rollout
+    frozen = p.frozen.cpus_per_worker
     groups = {
-        f"{stage}.actor_strategy.resources": (workers["actor"], actor.cpus_per_worker, actor.resources),
-        f"{stage}.critic_strategy.resources": (workers["critic"], critic.cpus_per_worker, critic.resources),
-        f"{stage}.reward_resources": (workers["reward"], frozen, p.reward_resources),
-        f"{stage}.reference_resources": (workers["reference"], frozen, p.reference_resources),
+        f"{stage}.actor.strategy.resources": (workers["actor"], actor.cpus_per_worker, actor.resources),
+        f"{stage}.critic.strategy.resources": (workers["critic"], critic.cpus_per_worker, critic.resources),
+        f"{stage}.reward.resources": (workers["reward"], frozen, p.reward.resources),
+        f"{stage}.reference.resources": (workers["reference"], frozen, p.reference.resources),
         f"{stage}.rollout.resources": (rollout.num_engines, rollout.cpus_per_engine, rollout.resources),
     }
     return {key: group for key, group in groups.items() if group[0] and group[2]}
@@ -145,7 +148,7 @@ def weight_sync_backend(stage: str, p: PPOConfig, device: str) -> str:
     """The actor -> engine transport on ``device`` (``rollout.weight_sync_backend`` resolved: auto = cuda_ipc with
     colocate_all on GPU, nccl on GPU, else gloo); a GPU transport on a CPU run is refused naming the key."""
     return resolve_backend(
-        p.rollout.weight_sync_backend, device, p.colocate_all, key=f"{stage}.rollout.weight_sync_backend"
+        p.rollout.weight_sync_backend, device, p.placement.colocate_all, key=f"{stage}.rollout.weight_sync_backend"
     )
 
 
@@ -166,31 +169,31 @@ def check_fits(
             f"'{stage}.rollout.enable_sleep' needs a GPU: vLLM sleep mode is CUDA-only (device {device})"
         )
     engine_gpus = rollout.num_engines * rollout.tensor_parallel_size
-    if p.colocate_all and engine_gpus > p.actor_strategy.num_workers:
+    if p.placement.colocate_all and engine_gpus > p.actor.strategy.num_workers:
         raise ConfigError(
             f"'{stage}.rollout.num_engines' x tensor_parallel_size = {engine_gpus} "
-            f"exceeds the {p.actor_strategy.num_workers} actor bundles that '{stage}.colocate_all' shares"
+            f"exceeds the {p.actor.strategy.num_workers} actor bundles that '{stage}.placement.colocate_all' shares"
         )
-    if p.offload_states_during_rollout:
-        trained = {"actor": p.actor_strategy, **({"critic": p.critic_strategy} if roles.critic else {})}
+    if p.placement.offload_states_during_rollout:
+        trained = {"actor": p.actor.strategy, **({"critic": p.critic.strategy} if roles.critic else {})}
         for role, strategy in trained.items():
             if strategy.zero_stage == 0:  # DeepSpeed's offload_states is a method of its ZeRO-1/2/3 optimizers only
                 raise ConfigError(
-                    f"'{stage}.offload_states_during_rollout' needs ZeRO stage 1, 2 or 3: "
-                    f"'{stage}.{role}_strategy.zero_stage' is 0"
+                    f"'{stage}.placement.offload_states_during_rollout' needs ZeRO stage 1, 2 or 3: "
+                    f"'{stage}.{role}.strategy.zero_stage' is 0"
                 )
     pinned = pinned_groups(stage, p, roles)
     bundled = {  # roles placed in a colocation bundle: the bundle decides their node
-        f"{stage}.actor_strategy.resources": p.colocate_all or p.colocate_actor_ref,
-        f"{stage}.reference_resources": p.colocate_all or p.colocate_actor_ref,
-        f"{stage}.critic_strategy.resources": p.colocate_all or p.colocate_critic_reward,
-        f"{stage}.reward_resources": p.colocate_all or p.colocate_critic_reward,
+        f"{stage}.actor.strategy.resources": p.placement.colocate_all or p.placement.colocate_actor_ref,
+        f"{stage}.reference.resources": p.placement.colocate_all or p.placement.colocate_actor_ref,
+        f"{stage}.critic.strategy.resources": p.placement.colocate_all or p.placement.colocate_critic_reward,
+        f"{stage}.reward.resources": p.placement.colocate_all or p.placement.colocate_critic_reward,
     }
     for key in pinned:
         if bundled.get(key):
             raise ConfigError(
                 f"'{key}' pins a colocated role, whose placement-group bundle decides its node: unset "
-                "it or the colocate_* key that places it"
+                "it or the placement.colocate_* key that places it"
             )
     check_resources(pinned, nodes if nodes is not None else [available])
     workers = role_workers(p, roles)
@@ -238,28 +241,30 @@ class PlacementPlan:
         colocate_actor_ref / colocate_critic_reward: the reference (reward) workers share the actor's (critic's)
         bundles, half a device each."""
         groups: dict[str, int] = {}
-        if p.colocate_all:
-            groups["shared"] = p.actor_strategy.num_workers
+        if p.placement.colocate_all:
+            groups["shared"] = p.actor.strategy.num_workers
         else:
-            if p.colocate_actor_ref:
-                groups["actor"] = p.actor_strategy.num_workers
-            if p.colocate_critic_reward:
-                groups["critic"] = p.critic_strategy.num_workers
-        share = COLOCATED_SHARE if p.colocate_all else 0.5
-        actor_side = "shared" if p.colocate_all else ("actor" if p.colocate_actor_ref else None)
-        critic_side = "shared" if p.colocate_all else ("critic" if p.colocate_critic_reward else None)
+            if p.placement.colocate_actor_ref:
+                groups["actor"] = p.actor.strategy.num_workers
+            if p.placement.colocate_critic_reward:
+                groups["critic"] = p.critic.strategy.num_workers
+        share = COLOCATED_SHARE if p.placement.colocate_all else 0.5
+        actor_side = "shared" if p.placement.colocate_all else ("actor" if p.placement.colocate_actor_ref else None)
+        critic_side = (
+            "shared" if p.placement.colocate_all else ("critic" if p.placement.colocate_critic_reward else None)
+        )
         wanted = {
-            "actor": (p.actor_strategy, actor_side, True),
-            "critic": (p.critic_strategy, critic_side, roles.critic),
-            "reward": (_frozen(p, p.reward_workers, p.reward_resources), critic_side, roles.reward_model),
-            "reference": (_frozen(p, p.reference_workers, p.reference_resources), actor_side, roles.reference),
+            "actor": (p.actor.strategy, actor_side, True),
+            "critic": (p.critic.strategy, critic_side, roles.critic),
+            "reward": (_frozen(p, p.reward.workers, p.reward.resources), critic_side, roles.reward_model),
+            "reference": (_frozen(p, p.reference.workers, p.reference.resources), actor_side, roles.reference),
         }
         placed = {
             role: RolePlacement(_slice_if_placed(strategy, group is not None), group, share if group else 1.0)
             for role, (strategy, group, built) in wanted.items()
             if built
         }
-        if p.colocate_all:
+        if p.placement.colocate_all:
             return cls(groups, placed, "shared", COLOCATED_SHARE, COLOCATED_SHARE)
         return cls(groups, placed, engine_cpus=p.rollout.cpus_per_engine)
 
@@ -267,7 +272,7 @@ class PlacementPlan:
 def _frozen(p: PPOConfig, workers: int, resources: dict[str, float]) -> StrategyConfig:
     # the actor's strategy with the frozen role's own counts and pins (never the actor's nodes)
     return replace(
-        p.actor_strategy, num_workers=workers, cpus_per_worker=p.frozen_cpus_per_worker, resources=resources
+        p.actor.strategy, num_workers=workers, cpus_per_worker=p.frozen.cpus_per_worker, resources=resources
     )
 
 
@@ -294,7 +299,7 @@ def engine_kwargs(
             max_model_len=max_len + rollout.max_new_tokens,
             kv_cache_gib=rollout.kv_cache_gib,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
-            enable_sleep=rollout.enable_sleep,
+            enable_sleep=isinstance(rollout, SyncedRolloutConfig) and rollout.enable_sleep,  # PPO's engines only
             enforce_eager=eager,
         )
     else:  # a builtin: policy is built, not loaded: the engine must build it with the policy's seed

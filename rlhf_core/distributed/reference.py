@@ -1,8 +1,8 @@
 """The reference role: the frozen starting policy, giving the log-probs the KL penalty is measured against (at the
 rollout temperature, like the actor's, so that the KL compares the same distributions).
 
-With ``ppo.frozen_zero_stage`` 3 the reference workers hold one ZeRO-3 partitioned copy between them
-(``FrozenStrategy``), ``ppo.frozen_offload`` keeping the partitions on the CPU; 0 gives each worker a full replica."""
+With ``ppo.frozen.zero_stage`` 3 the reference workers hold one ZeRO-3 partitioned copy between them
+(``FrozenStrategy``), ``ppo.frozen.offload`` keeping the partitions on the CPU; 0 gives each worker a full replica."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The reward role: a frozen reward model scoring whole sequences at their last token (raw scores; the driver
 normalises them with the mean/std the reward-model stage stored).
 
-With ``ppo.frozen_zero_stage`` 3 the reward workers hold one ZeRO-3 partitioned copy between them
-(``FrozenStrategy``), ``ppo.frozen_offload`` keeping the partitions on the CPU; 0 gives each worker a full replica."""
+With ``ppo.frozen.zero_stage`` 3 the reward workers hold one ZeRO-3 partitioned copy between them
+(``FrozenStrategy``), ``ppo.frozen.offload`` keeping the partitions on the CPU; 0 gives each worker a full replica."""
 
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ class TrainableRole:
         """The optimizer's current learning rate (after the last step's scheduler update)."""
         return float(self.engine.get_lr()[0])
 
-    # -- offload while the rollout engines generate (ppo.offload_states_during_rollout) ------------------------------
+    # -- offload while the rollout engines generate (ppo.placement.offload_states_during_rollout) -----------------
     def offload_states(self) -> bool:
         """Move what only training needs (optimizer states, fp32 master weights, gradient buffers) to host memory,
         so that colocated rollout engines have the GPU memory; the weights the experience forwards use stay.

@@ -30,10 +30,11 @@ from rlhf_core import events, run_layout, timing, tracking
 from rlhf_core.config import (
     STAGE_PREFIX,
     ConfigError,
+    CriticWarmupConfig,
     GenerateConfig,
     PipelineConfig,
-    PPOConfig,
-    StrategyConfig,
+    WorkerConfig,
+    as_ppo,
     load_config,
     stage_hash,
 )
@@ -212,19 +213,19 @@ def _watch_orchestrator(stage: str, poll_s: float = 1.0) -> threading.Event:
 def ray_cpus(section: Any) -> float | None:
     """The CPUs a stage's Ray workers ask for (what its job passes to ``launcher.init_ray``); None for a kind that
     runs without Ray (critic_init)."""
-    if isinstance(section, PPOConfig):
+    if isinstance(section, CriticWarmupConfig):  # ppo and critic_warmup
         from rlhf_core.distributed.device import resolve_device
         from rlhf_core.distributed.placement import RoleSet, resource_demand
 
         # The section does not say its kind: counted with a trained actor (a critic warm-up's reference too).
-        roles = RoleSet.of(section)
-        return resource_demand(section, roles, resolve_device(section.actor_strategy.device))["CPU"]
+        p = as_ppo(section)
+        return resource_demand(p, RoleSet.of(p), resolve_device(p.actor.strategy.device))["CPU"]
     if isinstance(section, GenerateConfig):  # the engines and, with a reference, two log-prob groups
         from rlhf_core.distributed.placement import generate_groups
 
         return sum(n * cpus for n, cpus, _ in generate_groups("generate", section).values())
     strategy = getattr(section, "strategy", None)
-    if isinstance(strategy, StrategyConfig):  # sft, reward_model, dpo, kto, score: one group
+    if isinstance(strategy, WorkerConfig):  # sft, reward_model, dpo, kto, score: one group
         return strategy.num_workers * strategy.cpus_per_worker
     return None
 
@@ -339,7 +340,9 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     models = {"model": section.model} if models is None else models
     store = open_store(cfg)
     tracked = tracking.spec_for(cfg, stage, store)  # refuses a tracker whose package is missing, before any worker
-    keys = {role: f"{stage}.{role}.name_or_path" for role in models}
+    # a PPO-kind role's model is <role>.model (its section also holds the role's workers); other kinds name it <role>
+    where = ".model" if isinstance(section, CriticWarmupConfig) else ""
+    keys = {role: f"{stage}.{role}{where}.name_or_path" for role in models}
     upstream: dict[str, str] = {}
     for role, model in models.items():
         upstream.update(upstream_hash(store, model.name_or_path, keys[role]))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.config import ConfigError, PipelineConfig
+from rlhf_core.distributed.cluster import Cluster
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import load_tokenizer
 from rlhf_core.types import CheckpointRef
@@ -23,7 +24,8 @@ from rlhf_core.types import CheckpointRef
 KIND = "critic_init"
 
 
-def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) -> CheckpointRef:
+    """The copy, in this process: ``cluster`` is unused, taken as every job takes it."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     # 1. the reward model, verified

@@ -27,7 +27,7 @@ from rlhf_core.algos.preference import PreferenceStats, dpo_loss
 from rlhf_core.config import DPOConfig, PipelineConfig
 from rlhf_core.data.examples import preference_examples
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
-from rlhf_core.distributed import device, launcher
+from rlhf_core.distributed import device
 from rlhf_core.distributed.checkpoints import (
     StageContext,
     export_stage,
@@ -37,6 +37,7 @@ from rlhf_core.distributed.checkpoints import (
     save_checkpoint,
     start_rank,
 )
+from rlhf_core.distributed.cluster import Cluster, RayCluster
 from rlhf_core.distributed.node_files import ModelSource
 from rlhf_core.jobs import common
 from rlhf_core.jobs.preference import (
@@ -230,7 +231,9 @@ class DPOTrainer:
         }
 
 
-def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) -> CheckpointRef:
+    """The stage on ``cluster`` (default: Ray)."""
+    cluster = RayCluster() if cluster is None else cluster
     # 1. inputs: policy and reference, config hash, finished output
     p = cfg.stage(stage)
     st = common.setup_stage(cfg, stage, {"model": p.model, "reference": p.reference or p.model})
@@ -251,10 +254,10 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
         if p.ref_logprobs == "precompute":
             splits = {"train": train, "eval": held_out}
             driver_reference(
-                st, p, splits, DPOTrainer.reference_sequences, DPOTrainer.REF_KEYS, tokenizer.pad_token_id
+                st, p, splits, DPOTrainer.reference_sequences, DPOTrainer.REF_KEYS, tokenizer.pad_token_id, cluster
             )
         reference = None if p.ref_logprobs == "precompute" else st.sources["reference"]
-        metrics = launcher.run_group(
+        metrics = cluster.run_group(
             p.strategy, DPOTrainer, st.context(), train, held_out, p, reference, key=f"{stage}.strategy"
         )[0]
     finally:

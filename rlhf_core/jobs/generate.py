@@ -34,6 +34,7 @@ from rlhf_core import run_layout
 from rlhf_core.config import ConfigError, GenerateConfig, PipelineConfig
 from rlhf_core.data.datasets import write_dataset
 from rlhf_core.data.examples import prompt_examples
+from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.placement import engine_kwargs, generate_groups
 from rlhf_core.jobs import common
@@ -51,10 +52,10 @@ def _prompt_text(prompt: Any) -> str:
 
 def check_fits(stage: str, g: GenerateConfig, available: dict[str, float], nodes: list[dict[str, float]]) -> None:
     """Refuse what the Ray cluster cannot place, naming the keys, before any actor starts."""
-    from rlhf_core.distributed import launcher
+    from rlhf_core.distributed.launcher import check_resources
 
     groups = generate_groups(stage, g)
-    launcher.check_resources({k: v for k, v in groups.items() if v[0] and v[2]}, nodes)
+    check_resources({k: v for k, v in groups.items() if v[0] and v[2]}, nodes)
     cpus = sum(n * c for n, c, _ in groups.values())
     if cpus > available.get("CPU", 0):
         raise ConfigError(
@@ -83,15 +84,15 @@ def kl_to_reference(
     prompt_ids: list[list[int]],
     responses: list[list[int]],
     pad_id: int,
-    groups: tuple[Any, Any],
+    groups: tuple[WorkerGroup[Any], WorkerGroup[Any]],
+    cluster: Cluster,
 ) -> list[float]:
     """Per response, sum over its tokens of logp_policy - logp_ref (k1), at the rollout temperature."""
     from rlhf_core.algos.batching import make_sequences
-    from rlhf_core.distributed import launcher
     from rlhf_core.distributed.reference import ReferencePolicy
 
     policy, reference = groups
-    workers = g.strategy.num_workers
+    workers = len(policy)
     n = len(responses) // len(prompt_ids)
     expanded = [ids for ids in prompt_ids for _ in range(n)]
     extra = (-len(responses)) % workers  # every worker gets as many rows: repeat the first, dropped after
@@ -100,21 +101,22 @@ def kl_to_reference(
         "policy": policy.call_each_async(ReferencePolicy.logprobs, seq.shard(workers)),
         "reference": reference.call_each_async(ReferencePolicy.logprobs, seq.shard(workers)),
     }
-    out = {name: torch.cat(launcher.wait(r)) for name, r in refs.items()}
+    out = {name: torch.cat(cluster.wait(r)) for name, r in refs.items()}
     mask = seq.action_mask.to(out["policy"].dtype)
     return ((out["policy"] - out["reference"]) * mask).sum(1)[: len(responses)].tolist()
 
 
-def logprob_groups(st: common.StageSetup, g: GenerateConfig) -> tuple[Any, Any]:
+def logprob_groups(
+    st: common.StageSetup, g: GenerateConfig, cluster: Cluster
+) -> tuple[WorkerGroup[Any], WorkerGroup[Any]]:
     """Two frozen ``ReferencePolicy`` groups of ``strategy.num_workers``: the policy's and the reference's (they
     start in the background while the engines generate)."""
-    from rlhf_core.distributed import launcher
     from rlhf_core.distributed.reference import ReferencePolicy
 
     assert g.reference is not None
     made = []
     for role, model in (("model", g.model), ("reference", g.reference)):
-        group = launcher.RayWorkerGroup(
+        group = cluster.group(
             g.strategy,
             ReferencePolicy,
             st.sources[role],
@@ -131,11 +133,11 @@ def logprob_groups(st: common.StageSetup, g: GenerateConfig) -> tuple[Any, Any]:
     return made[0], made[1]
 
 
-def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
-    from rlhf_core.distributed import launcher
+def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) -> CheckpointRef:
+    """The stage on ``cluster`` (default: Ray)."""
     from rlhf_core.distributed.rollout.engine import SamplingConfig
-    from rlhf_core.distributed.rollout.group import EngineGroup
 
+    cluster = RayCluster() if cluster is None else cluster
     # 1. inputs: config hash (with upstream hashes), finished output, then the models
     g: GenerateConfig = cfg.stage(stage)
     models = {"model": g.model, **({"reference": g.reference} if g.reference is not None else {})}
@@ -146,7 +148,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
     g = st.section
     r = g.rollout
     engines: Any = None
-    groups: tuple[Any, Any] | None = None
+    groups: tuple[WorkerGroup[Any], WorkerGroup[Any]] | None = None
     started = False
     try:
         # 2. prompts, checked before any actor starts
@@ -157,10 +159,11 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
 
         # 3. engines (and the log-prob groups), then sampling
         demand = sum(n * c for n, c, _ in generate_groups(stage, g).values())
-        started = launcher.init_ray(min_cpus=demand)
-        check_fits(stage, g, launcher.cluster_resources(), launcher.node_resources())
+        cluster.start(min_cpus=demand)
+        started = True
+        check_fits(stage, g, cluster.resources(), cluster.nodes())
         kwargs = engine_kwargs(r, g.model, g.strategy.precision, device, g.seed, g.data.max_len)
-        engines = EngineGroup.create(
+        engines = cluster.engines(
             r.num_engines,
             engine_model(st, g, tokenizer),
             eos_token_id=tokenizer.eos_token_id,
@@ -171,7 +174,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
             **kwargs,
         )
         if g.reference is not None:
-            groups = logprob_groups(st, g)
+            groups = logprob_groups(st, g, cluster)
         engines.wait_ready()
         prompt_ids = [e["prompt_ids"] for e in prompts]
         sampling = SamplingConfig(
@@ -187,7 +190,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
             raise RuntimeError(f"the engines returned {len(responses)} responses for {len(prompts)} prompts x {n}")
         engines.shutdown()
         engines = None
-        kl = kl_to_reference(st, g, prompt_ids, responses, pad_id, groups) if groups is not None else None
+        kl = kl_to_reference(st, g, prompt_ids, responses, pad_id, groups, cluster) if groups is not None else None
 
         # 4. rows, metrics, commit
         rows = []
@@ -233,7 +236,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
         for group in groups or ():
             group.shutdown()
         if started:
-            launcher.shutdown_ray()
+            cluster.stop()
         shutil.rmtree(st.work, ignore_errors=True)
     print(f"[{stage}] {len(rows)} responses to {len(prompts)} prompts", flush=True)
     return CheckpointRef(st.store.uri(stage), stage, 0, st.config_hash, metrics)

@@ -26,7 +26,7 @@ from rlhf_core.algos.preference import KTOStats, kl_reference_point, kto_loss
 from rlhf_core.config import KTOConfig, PipelineConfig
 from rlhf_core.data.examples import kto_examples
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
-from rlhf_core.distributed import device, launcher
+from rlhf_core.distributed import device
 from rlhf_core.distributed.checkpoints import (
     StageContext,
     export_stage,
@@ -36,6 +36,7 @@ from rlhf_core.distributed.checkpoints import (
     save_checkpoint,
     start_rank,
 )
+from rlhf_core.distributed.cluster import Cluster, RayCluster
 from rlhf_core.distributed.node_files import ModelSource
 from rlhf_core.jobs import common
 from rlhf_core.jobs.preference import (
@@ -236,7 +237,9 @@ def reward_means(rewards: torch.Tensor, good: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) -> CheckpointRef:
+    """The stage on ``cluster`` (default: Ray)."""
+    cluster = RayCluster() if cluster is None else cluster
     # 1. inputs: policy and reference, config hash, finished output
     p = cfg.stage(stage)
     st = common.setup_stage(cfg, stage, {"model": p.model, "reference": p.reference or p.model})
@@ -257,10 +260,10 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
         if p.ref_logprobs == "precompute":
             splits = {"train": train, "eval": held_out}
             driver_reference(
-                st, p, splits, KTOTrainer.reference_sequences, KTOTrainer.REF_KEYS, tokenizer.pad_token_id
+                st, p, splits, KTOTrainer.reference_sequences, KTOTrainer.REF_KEYS, tokenizer.pad_token_id, cluster
             )
         reference = None if p.ref_logprobs == "precompute" else st.sources["reference"]
-        metrics = launcher.run_group(
+        metrics = cluster.run_group(
             p.strategy, KTOTrainer, st.context(), train, held_out, p, reference, key=f"{stage}.strategy"
         )[0]
     finally:

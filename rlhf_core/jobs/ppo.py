@@ -42,12 +42,12 @@ from rlhf_core.algos.ppo import (
     token_rewards,
     truncated_is_weights,
 )
-from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, TrainConfig
+from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, TrainConfig, as_ppo
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.data.sampler import global_batch
-from rlhf_core.distributed import launcher
 from rlhf_core.distributed.actor import PolicyActor
 from rlhf_core.distributed.checkpoints import commit_checkpoint, fail_if_injected, newest_checkpoint, write_entry
+from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
 from rlhf_core.distributed.critic import CriticActor
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.placement import (
@@ -92,56 +92,90 @@ def optimizer_steps(p: PPOConfig, ppo_steps: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The controller's inputs: read from the run's files by ``load_inputs``, or made by hand (tests, benches)
+
+
+@dataclasses.dataclass
+class PPOInputs:
+    """What the controller reads before any worker starts: the actor's tokenizer, the training prompts
+    (``prompt_examples`` rows), the held-out prompts and the reward sources."""
+
+    tokenizer: Any
+    prompts: list[dict]
+    held_out: HeldOut
+    rewards: RewardSources
+
+
+def load_inputs(stage: str, p: PPOConfig, setup: common.StageSetup) -> PPOInputs:
+    """The inputs of a stage from its fetched models and its data files."""
+    tokenizer = load_tokenizer(
+        setup.paths["actor"], p.actor.model.tokenizer, trust_remote_code=p.actor.model.trust_remote_code
+    )
+    options = setup.store.fs.storage_options
+    return PPOInputs(
+        tokenizer=tokenizer,
+        prompts=prompt_examples(p.data, tokenizer, "train", options),
+        held_out=HeldOut.load(p, tokenizer, options),
+        rewards=RewardSources.of(stage, p, setup.paths.get("reward")),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The controller
 
 
 class PPOController:
-    def __init__(self, stage: str, p: PPOConfig, setup: common.StageSetup, train_actor: bool, roles: RoleSet):
+    def __init__(
+        self,
+        stage: str,
+        p: PPOConfig,
+        setup: common.StageSetup,
+        train_actor: bool,
+        roles: RoleSet,
+        inputs: PPOInputs,
+        cluster: Cluster,
+    ):
         self.stage, self.p, self.setup, self.paths, self.train_actor = stage, p, setup, setup.paths, train_actor
-        self.roles = roles
+        self.roles, self.cluster = roles, cluster
         self.store: ObjectStore = setup.store
-        self.tokenizer = load_tokenizer(
-            setup.paths["actor"], p.actor.tokenizer, trust_remote_code=p.actor.trust_remote_code
-        )
+        self.tokenizer = inputs.tokenizer
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        options = self.store.fs.storage_options
         train = p.train
-        self.prompts = prompt_examples(p.data, self.tokenizer, "train", options)
-        self.held_out = HeldOut.load(p, self.tokenizer, options)
+        self.prompts = inputs.prompts
+        self.held_out = inputs.held_out
         self.steps = plan_steps(p, len(self.prompts))
         if self.steps == 0:
             raise ConfigError(
                 f"'{stage}.train.rollout_batch_size' = {train.rollout_batch_size} is larger than the "
                 f"{len(self.prompts)} prompts x {train.num_episodes} episodes: no PPO step would run"
             )
-        self.rewards = RewardSources.of(stage, p, setup.paths.get("reward"))
+        self.rewards = inputs.rewards
         self.rewards.check([e["prompt"] for e in self.prompts[:2]])  # before any worker starts
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
         # The critic warm-up's frozen actor is its own reference: its old log-probs are the reference's (no group).
         self.ref_from_actor = needs_kl(p.algo) and actor_is_reference(p, train_actor)
-        self.device = resolve_device(p.actor_strategy.device)
+        self.device = resolve_device(p.actor.strategy.device)
         # PPO steps in which the actor trains: its LR schedule spans only those (the frozen warm-up steps do not
         # count, so a decaying schedule completes on the last step).
         self.actor_ppo_steps = max(0, self.steps - train.freeze_actor_steps) if train_actor else 0
-        self.actor: launcher.RayWorkerGroup[PolicyActor] | None = None
-        self.critic: launcher.RayWorkerGroup[CriticActor] | None = None
-        self.reward: launcher.RayWorkerGroup[RewardScorer] | None = None
-        self.reference: launcher.RayWorkerGroup[ReferencePolicy] | None = None
+        self.actor: WorkerGroup[PolicyActor] | None = None
+        self.critic: WorkerGroup[CriticActor] | None = None
+        self.reward: WorkerGroup[RewardScorer] | None = None
+        self.reference: WorkerGroup[ReferencePolicy] | None = None
         self.engines: Any = None
         self.placement: dict[str, Any] = {}
         self.placement_groups: list[Any] = []
-        self.started_ray = False
+        self.started = False
         self.tracker = Tracker(None)  # run() opens the stage's trackers around fit()
 
     # -- start: the roles and engines, placed by the plan -------------------------------------------------------------
     def start(self) -> None:
-        from rlhf_core.distributed.rollout.group import EngineGroup
-
-        p, train, roles, sources = self.p, self.p.train, self.roles, self.setup.sources
-        self.started_ray = launcher.init_ray(min_cpus=resource_demand(p, roles, self.device)["CPU"])
-        check_fits(self.stage, p, roles, self.device, launcher.cluster_resources(), launcher.node_resources())
+        p, train, roles, sources, cluster = self.p, self.p.train, self.roles, self.setup.sources, self.cluster
+        cluster.start(min_cpus=resource_demand(p, roles, self.device)["CPU"])
+        self.started = True
+        check_fits(self.stage, p, roles, self.device, cluster.resources(), cluster.nodes())
         plan = PlacementPlan.of(p, roles)
-        bundles = {name: launcher.colocation_group(count, 1.0, self.device) for name, count in plan.groups.items()}
+        bundles = {name: cluster.colocation(count, 1.0, self.device) for name, count in plan.groups.items()}
         self.placement_groups += list(bundles.values())
 
         def placed(role: str) -> dict[str, Any]:
@@ -160,7 +194,7 @@ class PPOController:
             ),
             temperature=p.rollout.temperature,
         )
-        self.engines = EngineGroup.create(
+        self.engines = cluster.engines(
             p.rollout.num_engines,
             sources["actor"],
             eos_token_id=self.eos_id,
@@ -170,44 +204,44 @@ class PPOController:
             num_cpus_per_engine=plan.engine_cpus,
             placement=bundles.get(plan.engine_group),
             share=plan.engine_share,
-            **engine_kwargs(p.rollout, p.actor, p.actor_strategy.precision, self.device, train.seed, p.data.max_len),
+            **engine_kwargs(
+                p.rollout, p.actor.model, p.actor.strategy.precision, self.device, train.seed, p.data.max_len
+            ),
         )
         actor_ctx = RoleContext(
             role="actor",
             model_path=sources["actor"],
-            tokenizer_path=p.actor.tokenizer,
-            init_seed=p.actor.init_seed,
-            trust_remote_code=p.actor.trust_remote_code,
-            strategy=p.actor_strategy,
-            optim=p.actor_optim,
+            tokenizer_path=p.actor.model.tokenizer,
+            init_seed=p.actor.model.init_seed,
+            trust_remote_code=p.actor.model.trust_remote_code,
+            strategy=p.actor.strategy,
+            optim=p.actor.optim,
             total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps),
             max_new_tokens=p.rollout.max_new_tokens,
             trains=self.train_actor,
             **base,
         )
-        self.actor = launcher.RayWorkerGroup(plan.roles["actor"].strategy, PolicyActor, actor_ctx, **placed("actor"))
+        self.actor = cluster.group(plan.roles["actor"].strategy, PolicyActor, actor_ctx, **placed("actor"))
         if roles.critic:  # critic-free estimators (REINFORCE++, GRPO, RLOO, ...) start no critic
             critic_ctx = RoleContext(
                 role="critic",
                 model_path=sources["critic"],
-                tokenizer_path=p.critic.tokenizer,
-                init_seed=p.critic.init_seed,
-                trust_remote_code=p.critic.trust_remote_code,
-                strategy=p.critic_strategy,
-                optim=p.critic_optim,
+                tokenizer_path=p.critic.model.tokenizer,
+                init_seed=p.critic.model.init_seed,
+                trust_remote_code=p.critic.model.trust_remote_code,
+                strategy=p.critic.strategy,
+                optim=p.critic.optim,
                 total_optimizer_steps=optimizer_steps(p, self.steps),
                 reward_stats=self.rewards.stats,
                 **base,
             )
-            self.critic = launcher.RayWorkerGroup(
-                plan.roles["critic"].strategy, CriticActor, critic_ctx, **placed("critic")
-            )
-        # The frozen roles (forwards only); frozen_zero_stage 3: one ZeRO-3 copy over the workers.
-        micro, precision = train.micro_rollout_batch_size, p.actor_strategy.precision
-        frozen = dict(zero_stage=p.frozen_zero_stage, offload=p.frozen_offload, packing=p.actor_strategy.packing)
+            self.critic = cluster.group(plan.roles["critic"].strategy, CriticActor, critic_ctx, **placed("critic"))
+        # The frozen roles (forwards only); frozen.zero_stage 3: one ZeRO-3 copy over the workers.
+        micro, precision = train.micro_rollout_batch_size, p.actor.strategy.precision
+        frozen = dict(zero_stage=p.frozen.zero_stage, offload=p.frozen.offload, packing=p.actor.strategy.packing)
         if roles.reward_model:  # rewards from a function or a server only: no reward-model workers
-            rm = p.reward
-            self.reward = launcher.RayWorkerGroup(
+            rm = p.reward.model
+            self.reward = cluster.group(
                 plan.roles["reward"].strategy,
                 RewardScorer,
                 sources["reward"],
@@ -220,8 +254,10 @@ class PPOController:
                 **placed("reward"),
             )
         if roles.reference:
-            ref = p.reference or p.actor  # default: the actor's starting model, with the actor's model keys
-            self.reference = launcher.RayWorkerGroup(
+            ref = (
+                p.reference.model or p.actor.model
+            )  # default: the actor's starting model, with the actor's model keys
+            self.reference = cluster.group(
                 plan.roles["reference"].strategy,
                 ReferencePolicy,
                 sources["reference"],
@@ -236,10 +272,10 @@ class PPOController:
             )
         setups = self.actor.call_async(PolicyActor.setup)
         setups += self.critic.call_async(CriticActor.setup) if self.critic is not None else []
-        launcher.wait(setups)
+        cluster.wait(setups)
         self.engines.wait_ready()
         # Where the engines run, as their actors see it: colocate_all puts them in the roles' shared group.
-        shared = bundles[plan.engine_group].id.hex() if plan.engine_group is not None else None
+        shared = cluster.placement_id(bundles[plan.engine_group]) if plan.engine_group is not None else None
         self.placement = {"shared_group": shared, "engine_groups": self.engines.placement_group_ids()}
         # The weight transport: "auto" resolved from the device and colocate_all; a GPU transport on CPU is refused.
         sync_backend = weight_sync_backend(self.stage, p, self.device)
@@ -251,10 +287,11 @@ class PPOController:
             if group is not None:
                 group.shutdown()
         for bundles in self.placement_groups:  # the colocation groups' reserved CPUs/GPUs back to the cluster
-            launcher.release_group(bundles)
+            self.cluster.release(bundles)
         self.placement_groups = []
-        if self.started_ray:
-            launcher.shutdown_ray()
+        if self.started:
+            self.started = False
+            self.cluster.stop()
 
     # -- experience ---------------------------------------------------------------------------------------------------
     def experience(
@@ -286,7 +323,7 @@ class PPOController:
             refs["reward"] = self.reward.call_each_async(RewardScorer.scores, scored.shard(len(self.reward)))
         raw = [pr for pr in prompts for _ in range(n)]
         parts, keep = self.rewards.score_on_driver(self.tokenizer, raw, responses, timer)
-        out, seconds = launcher.wait_timed(refs, started)
+        out, seconds = self.cluster.wait_timed(refs, started)
         if timer is not None:
             for role, sec in seconds.items():
                 timer.add(f"experience_{role}", sec)
@@ -377,7 +414,7 @@ class PPOController:
             refs["actor_train"] = self.actor.call_each_async(
                 PolicyActor.fit, exp.shard(len(self.actor)), step, self.kl_ctl.value
             )
-        out, seconds = launcher.wait_timed(refs, started)
+        out, seconds = self.cluster.wait_timed(refs, started)
         if timer is not None:
             for name, sec in seconds.items():
                 timer.add(name, sec)
@@ -394,14 +431,15 @@ class PPOController:
         return stats
 
     def move_training_states(self, offload: bool, timer: timing.PhaseTimer | None = None) -> None:
-        """``offload_states_during_rollout``: the trained roles' optimizer states and gradients to host memory while
-        the engines generate (``offload``), back before training (not on CPU). ``timer``: ``offload_states``."""
-        if self.p.offload_states_during_rollout:
+        """``placement.offload_states_during_rollout``: the trained roles' optimizer states and gradients to host
+        memory while the engines generate (``offload``), back before training (not on CPU). ``timer``:
+        ``offload_states``."""
+        if self.p.placement.offload_states_during_rollout:
             assert self.actor is not None
             method = TrainableRole.offload_states if offload else TrainableRole.reload_states
             started = time.perf_counter()
             groups = [g for g in (self.actor if self.train_actor else None, self.critic) if g is not None]
-            launcher.wait([ref for g in groups for ref in g.call_async(method)])
+            self.cluster.wait([ref for g in groups for ref in g.call_async(method)])
             if timer is not None:
                 timer.add("offload_states", time.perf_counter() - started)
 
@@ -444,10 +482,10 @@ class PPOController:
         workers: dict[str, int] = {}  # per group: the ranks that wrote the shards (commit_checkpoint)
         if self.train_actor:
             files.update(self.actor.call(PolicyActor.save_shards, rel)[0])
-            workers["actor_strategy.num_workers"] = len(self.actor)
+            workers["actor.strategy.num_workers"] = len(self.actor)
         if self.critic is not None:
             files.update(self.critic.call(CriticActor.save_shards, rel)[0])
-            workers["critic_strategy.num_workers"] = len(self.critic)
+            workers["critic.strategy.num_workers"] = len(self.critic)
         state = dict(state, kl_ctl=self.kl_ctl.state_dict())
         name = run_layout.CONTROLLER_STATE
         files[name] = write_entry(self.store, f"{rel}/{name}", json.dumps(state))
@@ -478,7 +516,7 @@ class PPOController:
         phases = ["generation", "experience", *(f"experience_{f}" for f in forwards), "advantages", "train"]
         phases += ["critic_train"] if roles.critic else []
         phases += ["actor_train", "weight_sync", "checkpoint"]
-        return (["offload_states"] if p.offload_states_during_rollout else []) + phases
+        return (["offload_states"] if p.placement.offload_states_during_rollout else []) + phases
 
     def fit(self) -> dict:
         from rlhf_core.distributed.rollout.engine import SamplingConfig
@@ -588,9 +626,12 @@ def _fmt(logs: dict) -> str:
 # Entry points
 
 
-def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> CheckpointRef:
+def run(
+    cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True, cluster: Cluster | None = None
+) -> CheckpointRef:
+    """The stage on ``cluster`` (default: Ray)."""
     # 1. inputs: config hash (with the upstream outputs' hashes), finished output, then the models
-    p: PPOConfig = cfg.stage(stage)
+    p = as_ppo(cfg.stage(stage))  # a critic warm-up's section with PPO's actor defaults
     roles = RoleSet.of(p, train_actor)
     setup = common.setup_stage(cfg, stage, role_models(p, roles))
     if setup.done is not None:
@@ -598,7 +639,9 @@ def run(cfg: PipelineConfig, stage: str = KIND, train_actor: bool = True) -> Che
     store, work, upstream, config_hash = setup.store, setup.work, setup.upstream, setup.config_hash
 
     # 2. data and checks, before any Ray actor starts
-    controller = PPOController(stage, p, setup, train_actor, roles)
+    inputs = load_inputs(stage, p, setup)
+    cluster = RayCluster() if cluster is None else cluster
+    controller = PPOController(stage, p, setup, train_actor, roles, inputs, cluster)
 
     # 3. roles, the loop (its steps also to the experiment trackers, closed as failed when the stage raises), outputs
     try:

@@ -27,8 +27,9 @@ from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.preference import sequence_logprobs
 from rlhf_core.config import ModelConfig, PreferenceConfig
 from rlhf_core.data.examples import pad_right
-from rlhf_core.distributed import device, launcher
+from rlhf_core.distributed import device
 from rlhf_core.distributed.checkpoints import StageContext, write_entry
+from rlhf_core.distributed.cluster import Cluster, WorkerGroup
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
@@ -144,16 +145,16 @@ def commit_reference(store: ObjectStore, stage: str, config_hash: str, logps: di
 
 
 def precompute_reference(
-    st: common.StageSetup, p: PreferenceConfig, splits: dict[str, list[Sequence]], pad_id: int
+    st: common.StageSetup, p: PreferenceConfig, splits: dict[str, list[Sequence]], pad_id: int, cluster: Cluster
 ) -> dict[str, list[float]]:
     """Summed log-probs of every sequence of each split under a reference other than the starting model, computed on
-    a ``ReferencePolicy`` group and committed as ``<stage>/reference_logprobs/``."""
+    a ``ReferencePolicy`` group of ``cluster`` and committed as ``<stage>/reference_logprobs/``."""
     ref = p.reference or p.model
     s = p.strategy
-    started = launcher.init_ray(min_cpus=s.num_workers * s.cpus_per_worker)
+    cluster.start(min_cpus=s.num_workers * s.cpus_per_worker)
     group = None
     try:
-        group = launcher.RayWorkerGroup(
+        group = cluster.group(
             s,
             ReferencePolicy,
             st.sources["reference"],
@@ -169,14 +170,13 @@ def precompute_reference(
     finally:
         if group is not None:
             group.shutdown()
-        if started:
-            launcher.shutdown_ray()
+        cluster.stop()
     uri = commit_reference(st.store, st.stage, st.config_hash, out)
     print(f"[{st.stage}] reference log-probs of {sum(map(len, out.values()))} sequences: {uri}", flush=True)
     return out
 
 
-def _score(group: launcher.RayWorkerGroup[ReferencePolicy], seqs: list[Sequence], pad_id: int) -> list[float]:
+def _score(group: WorkerGroup[ReferencePolicy], seqs: list[Sequence], pad_id: int) -> list[float]:
     workers, out = len(group), []
     for lo in range(0, len(seqs), CHUNK):
         chunk = seqs[lo : lo + CHUNK]
@@ -200,6 +200,7 @@ def driver_reference(
     sequences: Callable[[dict], list[Sequence]],
     keys: tuple[str, ...],
     pad_id: int,
+    cluster: Cluster,
 ) -> None:
     """``ref_logprobs: precompute`` on the driver: the numbers committed for this config hash are read back, those of
     a reference other than the starting model computed on a ``ReferencePolicy`` group; either way they are attached
@@ -208,7 +209,7 @@ def driver_reference(
     seqs = {name: [s for e in rows for s in sequences(e)] for name, rows in splits.items() if rows}
     logps = stored_reference(st, seqs)
     if logps is None and not starts_as_reference(p):
-        logps = precompute_reference(st, p, seqs, pad_id)
+        logps = precompute_reference(st, p, seqs, pad_id, cluster)
     for name, rows in splits.items():
         if logps is not None:
             attach(rows, keys, logps.get(name, []))

@@ -22,7 +22,7 @@ from rlhf_core.algos.losses import pairwise_reward_loss
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.examples import pad_right, preference_examples
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
-from rlhf_core.distributed import device, launcher
+from rlhf_core.distributed import device
 from rlhf_core.distributed.checkpoints import (
     StageContext,
     export_stage,
@@ -32,6 +32,7 @@ from rlhf_core.distributed.checkpoints import (
     save_checkpoint,
     start_rank,
 )
+from rlhf_core.distributed.cluster import Cluster, RayCluster
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import ScalarHeadModel, attn_implementation, build_scalar_model, load_tokenizer
 from rlhf_core.models.forward import scalar_values
@@ -181,7 +182,9 @@ class RewardModelTrainer:
         }
 
 
-def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) -> CheckpointRef:
+    """The stage on ``cluster`` (default: Ray)."""
+    cluster = RayCluster() if cluster is None else cluster
     # 1. inputs: model, config hash, finished output
     st = common.setup_stage(cfg, stage)
     if st.done is not None:
@@ -198,7 +201,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
 
     # 3. train on the Ray group; rank 0 evaluates, stores reward stats in the config, exports and commits
     try:
-        metrics = launcher.run_group(
+        metrics = cluster.run_group(
             section.strategy,
             RewardModelTrainer,
             st.context(),

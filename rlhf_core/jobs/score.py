@@ -25,6 +25,7 @@ from rlhf_core.data.datasets import write_dataset
 from rlhf_core.data.examples import encode, render_prompt
 from rlhf_core.data.loading import DataError, load_rows, require_keys
 from rlhf_core.data.selection import select_all, select_best, select_pairs, selection_metrics
+from rlhf_core.distributed.cluster import Cluster, RayCluster
 from rlhf_core.jobs import common
 from rlhf_core.rewards import call_reward_fn, load_reward_fn
 from rlhf_core.types import CheckpointRef
@@ -55,11 +56,11 @@ def load_scored_rows(s: ScoreConfig, stage: str, storage_options: dict | None) -
     return rows
 
 
-def reward_model_scores(st: common.StageSetup, rows: list[dict]) -> list[float]:
+def reward_model_scores(st: common.StageSetup, rows: list[dict], cluster: Cluster) -> list[float]:
     """Raw reward-model scores of rendered prompt + response + EOS (``encode``, as the reward-model stage trains),
-    on ``strategy.num_workers`` ``RewardScorer`` workers."""
+    on ``strategy.num_workers`` ``RewardScorer`` workers of ``cluster``."""
     from rlhf_core.algos.batching import make_sequences
-    from rlhf_core.distributed import launcher
+    from rlhf_core.distributed.launcher import check_resources
     from rlhf_core.distributed.reward import RewardScorer
     from rlhf_core.models.builders import load_tokenizer
 
@@ -74,25 +75,23 @@ def reward_model_scores(st: common.StageSetup, rows: list[dict]) -> list[float]:
         prompts.append(ids[:prompt_len])
         responses.append(ids[prompt_len:])
     workers = s.strategy.num_workers
-    extra = (-len(rows)) % workers  # every worker gets as many rows: repeat the first, dropped after
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = make_sequences(prompts + prompts[:1] * extra, responses + responses[:1] * extra, pad_id)
     cpus = workers * s.strategy.cpus_per_worker
-    started = launcher.init_ray(min_cpus=cpus)
+    cluster.start(min_cpus=cpus)
     group = None
     try:
         if s.strategy.resources:
-            launcher.check_resources(
+            check_resources(
                 {f"{st.stage}.strategy.resources": (workers, s.strategy.cpus_per_worker, s.strategy.resources)},
-                launcher.node_resources(),
+                cluster.nodes(),
             )
-        have = launcher.cluster_resources().get("CPU", 0)
+        have = cluster.resources().get("CPU", 0)
         if cpus > have:
             raise ConfigError(
                 f"'{st.stage}.strategy.num_workers' x cpus_per_worker = {cpus:g} CPUs, but the Ray cluster has "
                 f"{have:g}"
             )
-        group = launcher.RayWorkerGroup(
+        group = cluster.group(
             s.strategy,
             RewardScorer,
             st.sources["reward"],
@@ -104,12 +103,14 @@ def reward_model_scores(st: common.StageSetup, rows: list[dict]) -> list[float]:
             packing=s.strategy.packing,
             name="reward",
         )
-        parts = group.call_each(RewardScorer.scores, batch.shard(workers))
+        ranks = len(group)
+        extra = (-len(rows)) % ranks  # every rank gets as many rows: repeat the first, dropped after
+        batch = make_sequences(prompts + prompts[:1] * extra, responses + responses[:1] * extra, pad_id)
+        parts = group.call_each(RewardScorer.scores, batch.shard(ranks))
     finally:
         if group is not None:
             group.shutdown()
-        if started:
-            launcher.shutdown_ray()
+        cluster.stop()
     return [float(v) for part in parts for v in part.tolist()][: len(rows)]
 
 
@@ -142,7 +143,8 @@ def select(s: ScoreConfig, stage: str, rows: list[dict], scores: list[float]) ->
     return out, selection_metrics(rows, scores, out, dropped, d.prompt_key, s.select)
 
 
-def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) -> CheckpointRef:
+    """The stage on ``cluster`` (default: Ray, started only for a reward model)."""
     # 1. inputs: the reward function (checked before anything starts), config hash, finished output, reward model
     s: ScoreConfig = cfg.stage(stage)
     fn = load_reward_fn(s.reward_fn, f"{stage}.reward_fn") if s.reward_fn is not None else None
@@ -160,7 +162,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
             responses = [row[s.data.response_key] for row in rows]
             scores = call_reward_fn(fn, s.reward_fn, f"{stage}.reward_fn", prompts, responses)
         else:
-            scores = reward_model_scores(st, rows)
+            scores = reward_model_scores(st, rows, RayCluster() if cluster is None else cluster)
         # 4. selection and commit
         out, metrics = select(s, stage, rows, scores)
         write_dataset(

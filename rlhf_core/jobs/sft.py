@@ -21,7 +21,7 @@ from rlhf_core.algos.losses import sft_loss
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.examples import pad_right, sft_examples
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
-from rlhf_core.distributed import device, launcher
+from rlhf_core.distributed import device
 from rlhf_core.distributed.checkpoints import (
     StageContext,
     export_stage,
@@ -31,6 +31,7 @@ from rlhf_core.distributed.checkpoints import (
     save_checkpoint,
     start_rank,
 )
+from rlhf_core.distributed.cluster import Cluster, RayCluster
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, load_tokenizer
 from rlhf_core.models.forward import causal_lm_logprobs
@@ -164,7 +165,9 @@ class SFTTrainer:
         return {"eval_loss": total / count}
 
 
-def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
+def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) -> CheckpointRef:
+    """The stage on ``cluster`` (default: Ray)."""
+    cluster = RayCluster() if cluster is None else cluster
     # 1. inputs: model, config hash, finished output
     st = common.setup_stage(cfg, stage)
     if st.done is not None:
@@ -181,7 +184,7 @@ def run(cfg: PipelineConfig, stage: str = KIND) -> CheckpointRef:
 
     # 3. train on the Ray group; rank 0 exports and commits
     try:
-        metrics = launcher.run_group(
+        metrics = cluster.run_group(
             section.strategy, SFTTrainer, st.context(), train, held_out, key=f"{stage}.strategy"
         )[0]
     finally:

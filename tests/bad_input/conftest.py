@@ -8,7 +8,7 @@ input is wrong.
 - exactly one line on stderr, ``error: ...``, matching ``match`` (it names the file and row, the key, or the
   location);
 - no traceback anywhere in the output;
-- no Ray actor started (the launcher's entry points refuse to run);
+- no Ray started and no worker (the job runs on a ``NoRay`` cluster, which refuses both);
 - every file that was in the run folder before (a committed ``sft`` output, the saved config) is unchanged, and
   nothing was added to it;
 - no scratch folder left behind (``RLHF_WORK_DIR`` is a folder of the test's own).
@@ -18,6 +18,7 @@ It returns the error line. ``run_dir`` is the run folder (pre-filled) and ``work
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import re
@@ -25,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.distributed import launcher
 from rlhf_core.storage import ObjectStore
+from tests.clusters import NoRay
 from tests.conftest import TINY
 
 
@@ -61,15 +62,9 @@ def work_dir(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def no_ray(monkeypatch):
-    """Every way a job starts Ray or its workers fails the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the job started Ray or its workers despite bad input")
-
-    for name in ("init_ray", "one_ray", "run_group"):
-        monkeypatch.setattr(launcher, name, refuse)
-    monkeypatch.setattr(launcher.RayWorkerGroup, "__init__", refuse)
+def no_ray():
+    """The cluster the jobs run on: every way a job starts Ray or its workers fails the test."""
+    return NoRay()
 
 
 @pytest.fixture
@@ -82,7 +77,7 @@ def refused(run_dir, work_dir, no_ray, capsys):
         argv = ["--config", str(config), *(["--stage", stage] if stage else []), f"run_uri={run_dir}", *overrides]
         capsys.readouterr()
         with pytest.raises(SystemExit) as exited:
-            common.main(kind, job.run, argv)
+            common.main(kind, functools.partial(job.run, cluster=no_ray), argv)
         out, err = capsys.readouterr()
         assert exited.value.code == 2, f"exit status {exited.value.code}, stderr:\n{err}"
         assert "Traceback" not in out + err, out + err

@@ -181,7 +181,7 @@ def _sequences(tok, rows: int):
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # make test: 2-worker ZeRO-3 in SFT and the PPO actor; frozen_zero_stage in the key probes
+@pytest.mark.extended  # make test: 2-worker ZeRO-3 in SFT and the PPO actor; frozen.zero_stage in the key probes
 def test_frozen_roles_as_zero3_engines_match_plain_replicas(ray_cluster, tmp_path):
     """Reference log-probs (builtin:tiny, built from config) and reward scores (a saved reward model, loaded with
     from_pretrained) from 2-worker ZeRO-3 groups, with uneven shards (3 and 1 micro-batches) and parameter offload

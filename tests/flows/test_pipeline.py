@@ -281,7 +281,7 @@ def failed_then_resumed(deployed_run, tmp_path_factory):
     the critic warm-up and what follows it (PPO, whose inputs it is) run again."""
     run_dir = tmp_path_factory.mktemp("resume") / "run"
     shutil.copytree(deployed_run[1], run_dir, ignore=shutil.ignore_patterns("ppo", "_prefect", "_launches"))
-    overrides = [*FAST, "ppo.train.save_steps=2", "critic_warmup.critic_optim.lr=1e-3"]
+    overrides = [*FAST, "ppo.train.save_steps=2", "critic_warmup.critic.optim.lr=1e-3"]
     params = PipelineParams(
         preset="tiny", run_name="resume-test", run_uri=str(run_dir), task_retries=0, overrides=overrides
     )

@@ -6,9 +6,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_core.config import load_config
-from rlhf_core.distributed import launcher
-from rlhf_core.distributed.rollout.group import EngineGroup
 from rlhf_core.jobs import critic_init, critic_warmup, ppo, reward_model, sft
+from tests.clusters import NoWorkers
 from tests.conftest import TINY
 
 # 2 workers x micro 8 = global batch 16 (no accumulation); 256 rows -> 16 steps; checkpoints every 4 steps.
@@ -58,16 +57,12 @@ def run_dir(ppo_inputs, tmp_path):
     return target
 
 
-def run_ppo(run_dir, *overrides):
-    return ppo.run(cfg_for(run_dir, *UPSTREAM, *overrides))
-
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("a Ray actor was started despite a bad config")
+def run_ppo(run_dir, *overrides, cluster=None):
+    return ppo.run(cfg_for(run_dir, *UPSTREAM, *overrides), cluster=cluster)
 
 
 @pytest.fixture
-def no_actors(monkeypatch):
-    """Any Ray worker group or rollout engine started fails the test: a mistake must be refused before."""
-    monkeypatch.setattr(launcher, "RayWorkerGroup", _refuse)
-    monkeypatch.setattr(EngineGroup, "create", _refuse)
+def no_actors():
+    """A cluster on which any worker group or rollout engine started fails the test (run_ppo(..., cluster=it)): a
+    mistake must be refused before."""
+    return NoWorkers("a Ray actor was started despite a bad config")

@@ -8,21 +8,17 @@ import pytest
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.loading import DataError
-from rlhf_core.distributed import launcher
 from rlhf_core.jobs import reward_model, sft
 from rlhf_core.models.builders import ModelPathError
 from rlhf_core.storage import ArtifactError, ObjectStore
+from tests.clusters import NoWorkers
 from tests.conftest import ROOT, TINY
 
 
 @pytest.fixture
-def no_workers(monkeypatch):
-    """Fail the test if a job gets as far as starting its Ray group."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the job started its workers despite bad input")
-
-    monkeypatch.setattr(launcher, "run_group", refuse)
+def no_workers():
+    """A cluster that fails the test if a job gets as far as starting its Ray group."""
+    return NoWorkers("the job started its workers despite bad input")
 
 
 def jsonl(path, lines):
@@ -30,27 +26,27 @@ def jsonl(path, lines):
     return path
 
 
-def run_sft(tmp_path, *overrides):
-    return sft.run(load_config(TINY, [f"run_uri={tmp_path / 'run'}", *overrides]))
+def run_sft(tmp_path, *overrides, cluster=None):
+    return sft.run(load_config(TINY, [f"run_uri={tmp_path / 'run'}", *overrides]), cluster=cluster)
 
 
 def test_missing_dataset_key(tmp_path, no_workers):
     data = jsonl(tmp_path / "d.jsonl", [json.dumps({"input": "a", "output": "b"}), json.dumps({"input": "a"})])
     with pytest.raises(DataError, match=r"d.jsonl.*row 2.*'output'"):
-        run_sft(tmp_path, f"sft.data.train_path={data}")
+        run_sft(tmp_path, f"sft.data.train_path={data}", cluster=no_workers)
     assert not (tmp_path / "run" / "sft").exists()
 
 
 def test_empty_dataset(tmp_path, no_workers):
     data = jsonl(tmp_path / "empty.jsonl", [])
     with pytest.raises(DataError, match=r"empty.jsonl.*has no rows"):
-        run_sft(tmp_path, f"sft.data.train_path={data}")
+        run_sft(tmp_path, f"sft.data.train_path={data}", cluster=no_workers)
 
 
 def test_malformed_jsonl_line(tmp_path, no_workers):
     data = jsonl(tmp_path / "bad.jsonl", [json.dumps({"input": "a", "output": "b"}), '{"input": "a", "output": '])
     with pytest.raises(DataError, match=r"bad.jsonl.*line 2"):
-        run_sft(tmp_path, f"sft.data.train_path={data}")
+        run_sft(tmp_path, f"sft.data.train_path={data}", cluster=no_workers)
 
 
 def test_prompt_longer_than_max_len(tmp_path, no_workers):
@@ -60,13 +56,13 @@ def test_prompt_longer_than_max_len(tmp_path, no_workers):
         [json.dumps({"input": "a", "output": "b"}), json.dumps({"input": long_prompt, "output": "b"})],
     )
     with pytest.raises(DataError, match=r"long.jsonl row 2: the prompt has \d+ tokens but data.max_len is 64"):
-        run_sft(tmp_path, f"sft.data.train_path={data}")
+        run_sft(tmp_path, f"sft.data.train_path={data}", cluster=no_workers)
 
 
 @pytest.mark.parametrize("path", ["/nonexistent/model/dir", "builtin:huge", "no-such-org/no-such-model-xyz"])
 def test_unknown_model_path(tmp_path, no_workers, path):
     with pytest.raises(ModelPathError, match=r"'sft.model.name_or_path'"):
-        run_sft(tmp_path, f"sft.model.name_or_path={path}")
+        run_sft(tmp_path, f"sft.model.name_or_path={path}", cluster=no_workers)
 
 
 def test_invalid_config_value(tmp_path):
@@ -77,7 +73,7 @@ def test_invalid_config_value(tmp_path):
 def test_upstream_stage_without_output(tmp_path, no_workers):
     cfg = load_config(TINY, [f"run_uri={tmp_path / 'run'}"])
     with pytest.raises(ArtifactError, match=r"'reward_model.model.name_or_path' = stage:sft: the sft stage has no"):
-        reward_model.run(cfg)
+        reward_model.run(cfg, cluster=no_workers)
 
 
 def test_bad_data_leaves_a_finished_stage_intact(tmp_path, no_workers):
@@ -89,7 +85,7 @@ def test_bad_data_leaves_a_finished_stage_intact(tmp_path, no_workers):
     store.put_artifact(str(out), "sft", stage="sft", config_hash="earlier", metrics={"steps": 3})
     data = jsonl(tmp_path / "bad.jsonl", ["not json"])
     with pytest.raises(DataError):
-        run_sft(tmp_path, f"sft.data.train_path={data}")
+        run_sft(tmp_path, f"sft.data.train_path={data}", cluster=no_workers)
     assert store.read_manifest("sft").config_hash == "earlier"
     assert (tmp_path / "run" / "sft" / "model.safetensors").read_bytes() == b"weights"
 

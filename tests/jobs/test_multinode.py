@@ -118,11 +118,11 @@ def test_node_cache_env_overrides_the_default(tmp_path, monkeypatch):
 # Resource checks, before any worker starts
 
 PINNED = [
-    "ppo.actor_strategy.resources={node_a: 1}",
+    "ppo.actor.strategy.resources={node_a: 1}",
     "ppo.rollout.resources={node_a: 1}",
-    "ppo.critic_strategy.resources={node_b: 1}",
-    "ppo.reward_resources={node_b: 1}",
-    "ppo.reference_resources={node_b: 1}",
+    "ppo.critic.strategy.resources={node_b: 1}",
+    "ppo.reward.resources={node_b: 1}",
+    "ppo.reference.resources={node_b: 1}",
 ]
 NODE_A = {"CPU": 3.0, "node_a": 100.0}
 NODE_B = {"CPU": 3.0, "node_b": 100.0}
@@ -137,12 +137,12 @@ def test_pinned_roles_ask_ray_for_their_resources(tmp_path):
 
 def test_missing_or_scarce_resources_are_refused_naming_the_key(tmp_path):
     p = cfg_for(tmp_path, *PINNED).stage("ppo")
-    node_b_keys = r"'ppo.critic_strategy.resources', 'ppo.reward_resources', 'ppo.reference_resources'"
+    node_b_keys = r"'ppo.critic.strategy.resources', 'ppo.reward.resources', 'ppo.reference.resources'"
     with pytest.raises(ConfigError, match=node_b_keys + r" ask for Ray resource 'node_b', which no node"):
         check_fits("ppo", p, RoleSet.of(p), "cpu", {"CPU": 6, "node_a": 100}, [NODE_A, {"CPU": 3.0}])
     with pytest.raises(
         ConfigError,
-        match=r"'ppo.actor_strategy.resources', 'ppo.rollout.resources' ask for 2 "
+        match=r"'ppo.actor.strategy.resources', 'ppo.rollout.resources' ask for 2 "
         r"'node_a' in all .* has 1",
     ):
         check_fits("ppo", p, RoleSet.of(p), "cpu", {}, [{"CPU": 3.0, "node_a": 1.0}, NODE_B])
@@ -154,9 +154,11 @@ def test_missing_or_scarce_resources_are_refused_naming_the_key(tmp_path):
         check_fits("ppo", boxed, RoleSet.of(boxed), "cpu", {"CPU": 64})
     with pytest.raises(ConfigError, match="'sft.strategy.resources' names CPU"):
         launcher.check_resources({"sft.strategy.resources": (1, 1.0, {"CPU": 2.0})}, [NODE_A])
-    colocated = cfg_for(tmp_path, "ppo.colocate_critic_reward=true", "ppo.critic_strategy.resources={node_b: 1}")
+    colocated = cfg_for(
+        tmp_path, "ppo.placement.colocate_critic_reward=true", "ppo.critic.strategy.resources={node_b: 1}"
+    )
     placed = colocated.stage("ppo")
-    with pytest.raises(ConfigError, match="'ppo.critic_strategy.resources' pins a colocated role"):
+    with pytest.raises(ConfigError, match="'ppo.critic.strategy.resources' pins a colocated role"):
         check_fits("ppo", placed, RoleSet.of(placed), "cpu", {"CPU": 64, "node_b": 100})
 
 
@@ -252,11 +254,11 @@ def test_ppo_on_an_existing_two_node_cluster_with_node_local_models(ppo_inputs, 
     assert len([e for e in log_b if e["event"] == "use" and e["rel"] == "sft"]) == 2  # reference, then the RM rank
 
     # Pins the cluster cannot serve are refused before any worker starts, from the nodes Ray reports.
-    check = _python(address, CHECK, f"run_uri={run}", "ppo.reward_resources={node_c: 1}")
+    check = _python(address, CHECK, f"run_uri={run}", "ppo.reward.resources={node_c: 1}")
     assert check.returncode == 0, check.stdout + check.stderr
     nodes, error = check.stdout.strip().splitlines()[-2:]
     assert sorted(json.loads(nodes)) == [["node_a"], ["node_b"]]  # each custom resource on its own node
-    assert error.startswith("ConfigError: 'ppo.reward_resources' ask for Ray resource 'node_c', which no node"), error
+    assert error.startswith("ConfigError: 'ppo.reward.resources' ask for Ray resource 'node_c', which no node"), error
 
 
 CHECK = """

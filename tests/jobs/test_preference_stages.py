@@ -13,9 +13,9 @@ import pytest
 from rlhf_core import run_layout
 from rlhf_core.config import load_config
 from rlhf_core.data.loading import DataError
-from rlhf_core.distributed import launcher
 from rlhf_core.jobs import dpo, kto
 from rlhf_core.storage import ObjectStore
+from tests.clusters import NoWorkers
 from tests.conftest import ROOT
 from tests.jobs.test_rl_family import ray_actor_names
 
@@ -31,14 +31,10 @@ def cfg_for(kind: str, run_dir, *overrides):
 
 
 @pytest.fixture
-def no_workers(monkeypatch):
-    """Fail the test if a job gets as far as starting any Ray actor (its reference group or its training group)."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the job started workers despite bad input")
-
-    monkeypatch.setattr(launcher, "run_group", refuse)
-    monkeypatch.setattr(launcher, "RayWorkerGroup", refuse)
+def no_workers():
+    """A cluster that fails the test if a job gets as far as starting any Ray actor (its reference group or its
+    training group)."""
+    return NoWorkers("the job started workers despite bad input")
 
 
 def pairs_file(path, rows):
@@ -68,7 +64,7 @@ def test_bad_preference_data_is_refused_before_training_with_file_and_row(tmp_pa
     cfg = cfg_for(kind, tmp_path / "run", f"{kind}.data.train_path={data}")
     job = dpo if kind == "dpo" else kto
     with pytest.raises(DataError, match=rf"{tmp_path / 'pairs.jsonl'}.*{message}"):
-        job.run(cfg, kind)
+        job.run(cfg, kind, cluster=no_workers)
     assert not (tmp_path / "run" / kind).exists()  # nothing written
 
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 SHORT = ("ppo.train.eval_prompts=0", "ppo.train.max_steps=2")
 GRPO = (
-    "ppo.critic=null",
+    "ppo.critic.model=null",
     "ppo.algo.advantage_estimator=grpo",
     "ppo.rollout.n_samples_per_prompt=4",
     "ppo.train.train_batch_size=32",
@@ -50,7 +50,7 @@ def test_a_critic_free_run_starts_no_critic_actor_and_writes_no_critic(run_dir):
     assert not (run_dir / "ppo" / "critic").exists()
     store = ObjectStore(str(run_dir))
     manifest = store.read_manifest("ppo/checkpoints/step_00000001")
-    assert manifest.extra["workers"] == {"actor_strategy.num_workers": 1}
+    assert manifest.extra["workers"] == {"actor.strategy.num_workers": 1}
     assert manifest.files and not any(f.startswith("critic") for f in manifest.files)
     last = out["history"][-1]
     assert "critic_loss" not in last and "critic_lr" not in last and last["kl_loss"] >= 0
@@ -77,7 +77,7 @@ def test_a_remote_reward_server_scores_ppo_and_an_outage_fails_then_resumes(run_
     port = free_port()
     url = f"http://127.0.0.1:{port}/score"
     overrides = (
-        "ppo.reward=null",
+        "ppo.reward.model=null",
         f"ppo.remote_rm_url={url}",
         "ppo.remote_rm.retries=1",
         "ppo.remote_rm.backoff_s=0.1",
@@ -125,14 +125,14 @@ def test_bad_reward_functions_and_an_unreachable_server_are_refused_before_any_a
     raises = tmp_path / "raises.py"
     raises.write_text("def score(prompts, responses):\n    return 1 / 0\n")
     with pytest.raises(ConfigError, match=rf"'ppo.reward_fn' = '{raises}:score' raised ZeroDivisionError"):
-        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={raises}:score")
+        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={raises}:score", cluster=no_actors)
     short = tmp_path / "short.py"
     short.write_text("def score(prompts, responses):\n    return [0.0]\n")
     with pytest.raises(ConfigError, match=rf"'ppo.reward_fn' = '{short}:score' returned 1 scores for 2 rows"):
-        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={short}:score")
+        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={short}:score", cluster=no_actors)
     with pytest.raises(ConfigError, match=rf"'ppo.reward_fn' = '{short}:missing': .* has no attribute 'missing'"):
-        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={short}:missing")
+        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.reward_fn={short}:missing", cluster=no_actors)
     url = f"http://127.0.0.1:{free_port()}/score"
     with pytest.raises(RemoteRewardError, match=rf"'ppo.remote_rm_url': .*{url}.*cannot connect"):
-        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.remote_rm_url={url}", "ppo.remote_rm.retries=0")
+        run_ppo(run_dir, *GRPO, *SHORT, f"ppo.remote_rm_url={url}", "ppo.remote_rm.retries=0", cluster=no_actors)
     assert not (run_dir / "ppo").exists()

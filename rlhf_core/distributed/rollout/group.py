@@ -5,7 +5,9 @@ placement groups it made for them; ``EngineGroup.shutdown`` kills the actors and
 an engine goes through ``EngineHandles`` with a method object of the ``RolloutEngine`` protocol
 (``handles.call(RolloutEngine.generate, prompts, sampling)``): the hosted class's implementation is looked up and
 the arguments checked against its signature on the caller's side (``launcher.check_call``), before anything is
-sent. The trainer's actor gets the same ``EngineHandles`` for the weight sync (``weight_sync.sender``).
+sent. The trainer's actor gets the same ``EngineHandles`` for the weight sync (``weight_sync.sender``). Results come
+back through ``EngineHandles.get``, so that engines of the driver's own process (``cluster.LocalEngineHandles``, a
+``LocalCluster``'s) are called the same way.
 """
 
 from __future__ import annotations
@@ -47,9 +49,19 @@ class EngineHandles:
         return [self._submit(actor, impl, args, kwargs) for actor in self.actors]
 
     def call(self, method: Callable[Concatenate[RolloutEngine, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        return self.get(self.call_async(method, *args, **kwargs))
+
+    def get(self, pending: Sequence[Any]) -> list[Any]:
+        """The results of ``call_async``/``call_one_async`` calls, in order."""
         import ray
 
-        return ray.get(self.call_async(method, *args, **kwargs))
+        return ray.get(list(pending))
+
+    def put(self, value: Any) -> Any:
+        """``value`` as an argument of a later call to several engines (stored once in Ray's object store)."""
+        import ray
+
+        return ray.put(value)
 
     def call_one_async(
         self, index: int, method: Callable[Concatenate[RolloutEngine, P], R], *args: P.args, **kwargs: P.kwargs
@@ -222,8 +234,6 @@ class EngineGroup:
         """``generate``, and per response token the log-prob the engine sampled it with
         (``RolloutEngine.generate_with_logprobs``); an empty response becomes [EOS] with a NaN log-prob (the engine
         did not sample it)."""
-        import ray
-
         self.wake_up()
         k = len(self.handles)
         chunks = [prompt_ids[i * len(prompt_ids) // k : (i + 1) * len(prompt_ids) // k] for i in range(k)]
@@ -235,7 +245,7 @@ class EngineGroup:
                 refs.append(self.handles.call_one_async(i, method, chunk, seeded))
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
-        for part in ray.get(refs):
+        for part in self.handles.get(refs):
             tokens, lps = part if with_logprobs else (part, [[] for _ in part])
             for r, lp in zip(tokens, lps):
                 responses.append(r if r else [self.eos])
@@ -243,18 +253,17 @@ class EngineGroup:
         return responses, logprobs
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
-        import ray
-
         self.wake_up()
-        return ray.get(self.handles.call_one_async(0, RolloutEngine.sequence_logprobs, [token_ids]))[0]
+        return self.handles.get([self.handles.call_one_async(0, RolloutEngine.sequence_logprobs, [token_ids])])[0][0]
 
     def shutdown(self) -> None:
         """Kill the engine actors and remove the placement groups ``create`` made for them."""
-        from ray.util.placement_group import remove_placement_group
-
         self.handles.kill()
-        for group in self.placement_groups:
-            remove_placement_group(group)
+        if self.placement_groups:
+            from ray.util.placement_group import remove_placement_group
+
+            for group in self.placement_groups:
+                remove_placement_group(group)
         self.placement_groups = []
 
 

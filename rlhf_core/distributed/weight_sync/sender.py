@@ -210,7 +210,7 @@ def connect_weight_sync(
         sender = WeightSender(
             master_addr, master_port, world_size, group_name, timeout_s, backend, bucket_bytes=int(bucket_mb * MIB)
         )
-        ray.get(joins)
+        engines.get(joins)
         sender.check_peer()
     except Exception:
         _report_engine_errors(joins)
@@ -283,14 +283,13 @@ def sync_weights(
     ZeRO-3 pass ``specs`` (from the parameters' full shapes) and a lazy ``named_tensors`` that gathers one bucket at
     a time (``buckets.bucket_plan``), in the same order.
 
-    Without a sender (``None``): a direct ``load_state_dict`` on each engine through Ray's object store (HF backend).
+    Without a sender (``None``): a direct ``load_state_dict`` on each engine, the state dict stored once for all of
+    them (``engines.put``: Ray's object store; engines of the driver's process take it as it is) (HF backend).
     """
-    import ray
-
     start = time.perf_counter()
     if sender is None:
         state = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
-        engines.call(RolloutEngine.load_state_dict, ray.put(state))
+        engines.call(RolloutEngine.load_state_dict, engines.put(state))
         return time.perf_counter() - start
     if specs is None:
         named_tensors = [(name, t) for name, t in named_tensors]
@@ -305,7 +304,7 @@ def sync_weights(
     except Exception:
         _report_engine_errors(receipts)
         raise
-    ray.get(receipts)
+    engines.get(receipts)
     elapsed = time.perf_counter() - start
     logger.info(
         "weight sync of %d tensors in %d buckets to %d engine(s) took %.3f s",

@@ -1,0 +1,134 @@
+"""The ``ppo`` kind: Ray-distributed PPO and the critic-free RL methods (REINFORCE++, GRPO, RLOO, Dr. GRPO). Its
+section is the critic warm-up's (roles, rewards, rollout) plus what trains the actor: its optimizer, the actor loss
+and the advantage estimator."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from rlhf_core.algos.vocab import GROUP_ESTIMATORS, AdvantageEstimator, LossAggregation
+from rlhf_core.config.critic_warmup import CriticWarmupConfig, check_rl
+from rlhf_core.config.fields import ConfigError, check, opt, required
+from rlhf_core.config.rl import ROLE_KEYS_MOVED, ActorRole, CriticRole, RLTrainConfig, ValueAlgoConfig
+from rlhf_core.config.sections import StrategyConfig
+
+
+@dataclass
+class PPOAlgoConfig(ValueAlgoConfig):
+    """The critic's settings (``ValueAlgoConfig``) plus the actor's loss and the advantage estimator."""
+
+    eps_clip: float = opt(0.2, "PPO policy clip range.")
+    whiten_advantages: bool = opt(
+        True, "gae: normalise advantages over the whole rollout batch across all DP ranks (reinforce++ always does)."
+    )
+    advantage_estimator: AdvantageEstimator = opt(
+        "gae",
+        "gae = PPO with a critic; critic-free: reinforce++ (returns whitened over the global batch), "
+        "reinforce++_baseline (minus the prompt's group mean, then whitened), grpo (normalised within each prompt's "
+        "group), rloo (leave-one-out baseline), dr_grpo (minus the group mean, no std); group estimators need "
+        "rollout.n_samples_per_prompt >= 2.",
+    )
+    eps_clip_high: float | None = opt(None, "Upper clip bound 1 + eps_clip_high (clip-higher, DAPO); null = eps_clip.")
+    dual_clip: float | None = opt(None, "Dual clip c > 1: a token with A < 0 loses at most -c * A; null = off.")
+    loss_agg: LossAggregation = opt(
+        "token_mean",
+        "Actor loss over a window: token_mean (every token alike), seq_mean (each sequence's token mean, then the "
+        "mean over sequences), seq_sum_norm (token sums / rollout.max_new_tokens, mean over sequences: Dr. GRPO).",
+    )
+    kl_loss_unbiased: bool = opt(
+        False, "kl_mode=loss: weigh the KL term by pi/pi_old (unbiased under rollout samples, DeepSeek-V3.2)."
+    )
+    entropy_coef: float = opt(0.0, "Entropy bonus: the actor loss minus this x the token entropy (0 = none).")
+    is_correction_cap: float | None = opt(
+        None,
+        "Truncated importance sampling between engine and trainer log-probs: each token's loss x min(exp(old - "
+        "rollout), cap); null = off.",
+    )
+    dynamic_filter: bool = opt(
+        False, "Drop the prompts whose n samples all got the same reward (DAPO dynamic sampling; no signal)."
+    )
+
+
+@dataclass
+class PPOTrainConfig(RLTrainConfig):
+    freeze_actor_steps: int = opt(0, "First N PPO steps train only the critic (frozen-actor warm-up).")
+    save_critic: bool = opt(True, "Also write the trained critic (to <run_uri>/<stage>/critic/).")
+
+
+@dataclass
+class PPOConfig(CriticWarmupConfig):
+    RENAMED: ClassVar[dict[str, str]] = {**ROLE_KEYS_MOVED, "actor_optim": "actor.optim"}
+
+    actor: ActorRole = required("The policy to train (model, usually stage:sft), its strategy and optimizer.")
+    critic: CriticRole = opt(
+        CriticRole(),
+        "The critic (algo.advantage_estimator=gae only): model, e.g. stage:critic_warmup; strategy, optim.",
+    )
+    algo: PPOAlgoConfig = opt(PPOAlgoConfig(), "PPO, KL and reward settings.")
+    train: PPOTrainConfig = opt(PPOTrainConfig(), "Batching, steps, checkpoints.")
+
+    @classmethod
+    def from_warmup(cls, w: CriticWarmupConfig) -> PPOConfig:
+        """The PPO section that runs a critic warm-up: its own values, and PPO's defaults for the actor's optimizer,
+        loss and estimator, which a frozen actor never uses."""
+        fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(CriticWarmupConfig)}
+        fields["actor"] = ActorRole(model=w.actor.model, strategy=_training_strategy(w))
+        fields["algo"] = PPOAlgoConfig(**dataclasses.asdict(w.algo))
+        fields["train"] = PPOTrainConfig(**dataclasses.asdict(w.train))
+        return cls(**fields)
+
+    def validate(self, name: str) -> None:
+        critic, a, n = uses_critic("ppo", self), self.algo, self.rollout.n_samples_per_prompt
+        if critic and self.critic.model is None:
+            raise ConfigError(
+                f"'{name}.critic.model.name_or_path' is required: algo.advantage_estimator=gae needs one (e.g. "
+                f"stage:critic_init), or choose a critic-free '{name}.algo.advantage_estimator' (reinforce++, grpo, "
+                "rloo, ...)"
+            )
+        if not critic and self.critic.model is not None:
+            raise ConfigError(
+                f"'{name}.critic.model' is set but '{name}.algo.advantage_estimator' = {a.advantage_estimator} "
+                "builds no critic: remove it, or use advantage_estimator=gae"
+            )
+        if a.advantage_estimator in GROUP_ESTIMATORS and n < 2:
+            raise ConfigError(
+                f"'{name}.algo.advantage_estimator' = {a.advantage_estimator} compares the samples of a "
+                f"prompt: set '{name}.rollout.n_samples_per_prompt' >= 2 (it is {n})"
+            )
+        if a.dynamic_filter and n < 2:
+            raise ConfigError(
+                f"'{name}.algo.dynamic_filter' drops prompts whose samples all score alike: set "
+                f"'{name}.rollout.n_samples_per_prompt' >= 2 (it is {n})"
+            )
+        check(a.eps_clip > 0, f"{name}.algo.eps_clip", a.eps_clip, "must be > 0")
+        check(a.eps_clip_high is None or a.eps_clip_high > 0, f"{name}.algo.eps_clip_high", a.eps_clip_high, "> 0")
+        check(a.dual_clip is None or a.dual_clip > 1, f"{name}.algo.dual_clip", a.dual_clip, "must be > 1 (e.g. 3)")
+        check(a.entropy_coef >= 0, f"{name}.algo.entropy_coef", a.entropy_coef, "must be >= 0")
+        cap = a.is_correction_cap
+        check(cap is None or cap > 0, f"{name}.algo.is_correction_cap", cap, "must be > 0 (e.g. 2.0)")
+        if a.kl_loss_unbiased and a.kl_mode != "loss":
+            raise ConfigError(
+                f"'{name}.algo.kl_loss_unbiased' applies to the KL loss term: set '{name}.algo.kl_mode' "
+                "= loss or remove it"
+            )
+        freeze = self.train.freeze_actor_steps
+        check(freeze >= 0, f"{name}.train.freeze_actor_steps", freeze, "must be >= 0")
+        self.actor.optim.validate(f"{name}.actor.optim")
+        check_rl(name, self, critic)
+
+
+def _training_strategy(w: CriticWarmupConfig) -> StrategyConfig:
+    """The warm-up actor's strategy with PPO's defaults for what only a trained actor uses (offload, checkpointing)."""
+    return StrategyConfig(**dataclasses.asdict(w.actor.strategy))
+
+
+def as_ppo(section: CriticWarmupConfig) -> PPOConfig:
+    """The PPO section that runs a stage of either PPO kind (a critic warm-up's with PPO's actor defaults)."""
+    return section if isinstance(section, PPOConfig) else PPOConfig.from_warmup(section)
+
+
+def uses_critic(kind: str, p: CriticWarmupConfig) -> bool:
+    """The critic warm-up and GAE train a critic; the critic-free estimators build none."""
+    return kind == "critic_warmup" or (isinstance(p.algo, PPOAlgoConfig) and p.algo.advantage_estimator == "gae")

@@ -1,0 +1,20 @@
+"""The ``sft`` kind: supervised fine-tuning of a causal LM on instruction rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_core.config.fields import opt, required
+from rlhf_core.config.sections import ModelConfig, OptimConfig, SFTData, StrategyConfig, TrainConfig, check_training
+
+
+@dataclass
+class SFTConfig:
+    model: ModelConfig = required("Base model to fine-tune.")
+    data: SFTData = required("Instruction data (input_key, output_key).")
+    strategy: StrategyConfig = opt(StrategyConfig(), "DeepSpeed/Ray settings.")
+    optim: OptimConfig = opt(OptimConfig(lr=5e-6), "Optimizer settings.")
+    train: TrainConfig = opt(TrainConfig(), "Batching, steps, checkpoints.")
+
+    def validate(self, name: str) -> None:
+        check_training(name, self.strategy, self.optim, self.train, self.data)
