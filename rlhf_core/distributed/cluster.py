@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol
 import torch
 import torch.distributed as dist
 
-from rlhf_core.config import StrategyConfig
+from rlhf_core.config import StrategyConfig, WorkerConfig
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.device import DEVICE_ENV, resolve_device
 from rlhf_core.distributed.launcher import Fits, check_call, check_constructor
@@ -100,7 +100,7 @@ class Cluster(Protocol):
 
     def group(
         self,
-        strategy: StrategyConfig,
+        strategy: WorkerConfig,
         cls: type[T],
         *args: Any,
         name: str = "worker",
@@ -182,7 +182,7 @@ class RayCluster:
 
     def group(
         self,
-        strategy: StrategyConfig,
+        strategy: WorkerConfig,
         cls: type[T],
         *args: Any,
         name: str = "worker",
@@ -242,7 +242,7 @@ class LocalWorkerGroup(Generic[T]):
     ``RayWorkerGroup`` checks them), runs each call at once; the ``_async`` calls return the results themselves.
     ``cfg``: the strategy the job asked for (its ``num_workers`` is not honoured: there is one rank)."""
 
-    def __init__(self, cfg: StrategyConfig, factory: type[T], *args: Any, name: str = "worker", **kwargs: Any):
+    def __init__(self, cfg: WorkerConfig, factory: type[T], *args: Any, name: str = "worker", **kwargs: Any):
         check_constructor(factory, args, kwargs)
         self.cfg, self.cls, self.name = cfg, factory, name
         self.obj: Any = factory(*args, **kwargs)
@@ -345,7 +345,7 @@ class LocalCluster:
 
     def group(
         self,
-        strategy: StrategyConfig,
+        strategy: WorkerConfig,
         cls: type[T],
         *args: Any,
         name: str = "worker",
@@ -402,7 +402,7 @@ class LocalCluster:
         finally:
             self.stop()
 
-    def _join_world(self, strategy: StrategyConfig) -> None:
+    def _join_world(self, strategy: WorkerConfig) -> None:
         """The device of ``strategy`` and, unless this process has a torch.distributed world already, the environment
         of rank 0 of a one-rank world, as a Ray worker's shell sets them (the world itself is made by the first role
         that joins it)."""

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast
 
 from rlhf_core import events
-from rlhf_core.config import ConfigError, StrategyConfig
+from rlhf_core.config import ConfigError, StrategyConfig, WorkerConfig
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.ports import free_port
 
@@ -202,7 +202,7 @@ class RayWorkerGroup(Generic[T]):
 
     def __init__(
         self,
-        cfg: StrategyConfig,
+        cfg: WorkerConfig,
         factory: type[T],
         *args: Any,
         name: str = "worker",
