@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
-from rlhf_core.distributed.cluster import Cluster, LocalCluster, LocalWorkerGroup, RayCluster
+from rlhf_core.distributed.cluster import Cluster, LocalCluster, LocalWorkerGroup
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.launcher import check_call, check_constructor
 from rlhf_core.distributed.node_files import local_model_path
@@ -113,25 +113,17 @@ RECORDING = {
 }
 
 
-class RecordsTrainers:
-    """A cluster whose ``run_group`` trains the recording subclass of the reward_model, dpo and kto trainers."""
+class RecordingLocal(LocalCluster):
+    """This process as the cluster (with the test session's resources), whose ``run_group`` trains the recording
+    subclass of the reward_model, dpo and kto trainers."""
 
     def run_group(self, strategy: StrategyConfig, cls: type, *args: Any, key: str = "strategy") -> list[Any]:
-        return super().run_group(strategy, RECORDING.get(cls, cls), *args, key=key)  # type: ignore[misc]
+        return super().run_group(strategy, RECORDING.get(cls, cls), *args, key=key)
 
 
-class RecordingRay(RecordsTrainers, RayCluster):
-    pass
-
-
-class RecordingLocal(RecordsTrainers, LocalCluster):
-    pass
-
-
-def recording(local: bool) -> Cluster:
-    """The cluster of a job run whose trainers note their batch sizes: this process (``local``, with the test
-    session's resources) or Ray."""
-    return RecordingLocal(resources=SESSION_CLUSTER) if local else RecordingRay()
+def recording() -> Cluster:
+    """The cluster of a job run whose trainers note their batch sizes."""
+    return RecordingLocal(resources=SESSION_CLUSTER)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

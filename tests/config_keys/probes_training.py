@@ -29,7 +29,6 @@ from rlhf_core.storage import ObjectStore
 from tests.config_keys.fakes import one_rank_world, recording
 from tests.config_keys.harness import (
     DATA,
-    PPO_KINDS,
     Probe,
     content_key,
     fingerprint,
@@ -241,9 +240,9 @@ _JOBS: dict[str, dict] = {}
 
 
 def job_run(cfg: PipelineConfig, stage: str) -> dict:
-    """The stage's job run for real, once per distinct config (jobs.sft.run / jobs.reward_model.run on Ray; ppo.run /
-    critic_warmup.run, dpo.run / kto.run on this process as the cluster), its trainers noting their batch sizes:
-    checkpoints kept, step events, metrics, the critic output."""
+    """The stage's job run for real, once per distinct config, on this process as the cluster (``LocalCluster``: one
+    rank, no Ray), its trainers noting their batch sizes: checkpoints kept, step events, metrics, the critic
+    output."""
     key = content_key(cfg, stage)
     if key in _JOBS:
         return _JOBS[key]
@@ -252,7 +251,7 @@ def job_run(cfg: PipelineConfig, stage: str) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     saved_env = os.environ.get(events.EVENTS_ENV)
     os.environ[events.EVENTS_ENV] = str(events_file)
-    cluster = recording(local=cfg.kind(stage) in PPO_KINDS + ("dpo", "kto"))
+    cluster = recording()
     try:
         ref = job_module(cfg, stage).run(cfg, stage, cluster=cluster)
     finally:
