@@ -22,7 +22,6 @@ from rlhf_core.config import (
     PPOConfig,
     RolloutConfig,
     StrategyConfig,
-    SyncedRolloutConfig,
     uses_critic,
 )
 from rlhf_core.distributed.launcher import check_resources
@@ -286,11 +285,17 @@ def _slice_if_placed(strategy: StrategyConfig, placed: bool) -> StrategyConfig:
 
 
 def engine_kwargs(
-    rollout: RolloutConfig, model: ModelConfig, precision: str, device: str, seed: int, max_len: int
+    rollout: RolloutConfig,
+    model: ModelConfig,
+    precision: str,
+    device: str,
+    seed: int,
+    max_len: int,
+    enable_sleep: bool = False,
 ) -> dict[str, Any]:
     """Constructor kwargs of the rollout engines (``EngineGroup.create``) for ``rollout.backend``, sampling the policy
     ``model`` (its tokenizer, remote code, and for the HF backend its build seed) in ``precision`` on ``device``: the
-    PPO engines and the generate stage's."""
+    PPO engines and the generate stage's. ``enable_sleep``: vLLM sleep mode (PPO's ``rollout.enable_sleep``)."""
     kwargs: dict[str, Any] = {"seed": seed, "tokenizer": model.tokenizer, "trust_remote_code": model.trust_remote_code}
     kwargs["dtype"] = "bfloat16" if precision == "bf16" else "float32"
     if rollout.backend == "vllm":
@@ -299,7 +304,7 @@ def engine_kwargs(
             max_model_len=max_len + rollout.max_new_tokens,
             kv_cache_gib=rollout.kv_cache_gib,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
-            enable_sleep=isinstance(rollout, SyncedRolloutConfig) and rollout.enable_sleep,  # PPO's engines only
+            enable_sleep=enable_sleep,
             enforce_eager=eager,
         )
     else:  # a builtin: policy is built, not loaded: the engine must build it with the policy's seed

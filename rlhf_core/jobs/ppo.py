@@ -205,7 +205,13 @@ class PPOController:
             placement=bundles.get(plan.engine_group),
             share=plan.engine_share,
             **engine_kwargs(
-                p.rollout, p.actor.model, p.actor.strategy.precision, self.device, train.seed, p.data.max_len
+                p.rollout,
+                p.actor.model,
+                p.actor.strategy.precision,
+                self.device,
+                train.seed,
+                p.data.max_len,
+                enable_sleep=p.rollout.enable_sleep,
             ),
         )
         actor_ctx = RoleContext(

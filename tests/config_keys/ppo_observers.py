@@ -52,7 +52,13 @@ def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
         c = _ppo_setup(cfg, stage)
         p = c.p
         engines = engine_kwargs(
-            p.rollout, p.actor.model, p.actor.strategy.precision, c.device, p.train.seed, p.data.max_len
+            p.rollout,
+            p.actor.model,
+            p.actor.strategy.precision,
+            c.device,
+            p.train.seed,
+            p.data.max_len,
+            enable_sleep=p.rollout.enable_sleep,
         )
         return {
             "prompts": [e["prompt_ids"] for e in c.prompts],
