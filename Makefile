@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup demo lint format test test-all test-fast gpu-wheels gpu-check clean
+.PHONY: setup demo lint format test test-all test-fast docs gpu-wheels gpu-check clean
 
 setup:
 	bash scripts/setup.sh
@@ -37,6 +37,12 @@ test-all: setup
 test-fast: setup
 	$(PY) -m pytest tests -q -m "not slow and not extended" $(ARGS)
 
+# The manual: docs/ rendered by mkdocs-material into build/site/ (open build/site/index.html); --strict fails on a
+# broken link or anchor. docs/configuration-reference.md is regenerated from the code first.
+docs: setup
+	$(PY) -m rlhf_core.config
+	.venv/bin/mkdocs build --strict
+
 # GPU machine: wheels of the project and DeepSpeed for it (build/gpu_wheels/), then the GPU check (README).
 gpu-wheels: setup
 	bash scripts/build_gpu_wheels.sh
@@ -45,4 +51,4 @@ gpu-check:
 	bash scripts/gpu_check.sh $(ARGS)
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache build/site

@@ -70,6 +70,8 @@ METHODS = {
     "rejection_sampling": _evaluated("tiny-rejection-sampling", "eval_2"),
     "iterative_dpo": _evaluated("tiny-iterative-dpo", "eval_2"),
     "grpo": _evaluated("tiny-grpo", "eval_grpo"),
+    "reinforce": _evaluated("tiny-reinforce", "eval_reinforce"),
+    "rloo": _evaluated("tiny-rloo", "eval_rloo"),
     "rlvr": _evaluated("tiny-rlvr", "eval_rlvr"),
     "ppo": Method(
         "tiny",

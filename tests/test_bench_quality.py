@@ -25,7 +25,7 @@ def test_main_refuses_an_unknown_method_in_one_line_before_running_anything(tmp_
         main(["--methods", "dpo,sppo", "--root", str(tmp_path)])
     assert str(e.value) == (
         "error: unknown method 'sppo' in --methods "
-        "(known: dpo, kto, rejection_sampling, iterative_dpo, grpo, rlvr, ppo)"
+        "(known: dpo, kto, rejection_sampling, iterative_dpo, grpo, reinforce, rloo, rlvr, ppo)"
     )
     assert not any(tmp_path.iterdir())
 

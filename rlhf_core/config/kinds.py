@@ -36,7 +36,7 @@ class StageKind:
     description: str
 
 
-_KINDS = (
+BUILTIN_KINDS = (
     StageKind("sft", SFTConfig, "rlhf_core.jobs.sft", "Supervised fine-tuning of a causal LM."),
     StageKind("reward_model", RewardModelConfig, "rlhf_core.jobs.reward_model", "Reward model on preferences."),
     StageKind("critic_init", CriticInitConfig, "rlhf_core.jobs.critic_init", "Critic = copy of a reward model."),
@@ -88,4 +88,4 @@ class StageKinds(Mapping[str, StageKind]):
         return len(self._all())
 
 
-STAGE_KINDS: Mapping[str, StageKind] = StageKinds(_KINDS)
+STAGE_KINDS: Mapping[str, StageKind] = StageKinds(BUILTIN_KINDS)

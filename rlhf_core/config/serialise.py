@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 import yaml
 
 from rlhf_core.config.fields import MISSING, join_key
-from rlhf_core.config.kinds import STAGE_KINDS
+from rlhf_core.config.kinds import STAGE_KINDS, StageKind
 from rlhf_core.config.pipeline import PipelineConfig
 from rlhf_core.config.redact import redact_tracking_uri, redact_url
 
@@ -41,10 +42,13 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[tuple[str, str, str]]:
+def describe(
+    cls: type, prefix: str = "", defaults: Any = None, kinds: Iterable[StageKind] | None = None
+) -> list[tuple[str, str, str]]:
     """(key, default, help) rows for documentation and ``--help``. For ``PipelineConfig`` the stage keys are listed
-    once per kind, under the kind's name (an instance ``<name>`` of that kind takes the same keys). ``defaults``: the
-    section's own default instance, whose values win over the class's (``DPOConfig.optim`` has lr 5e-7)."""
+    once per kind, under the kind's name (an instance ``<name>`` of that kind takes the same keys), for ``kinds``
+    (default: every kind, the installed plugins' too). ``defaults``: the section's own default instance, whose values
+    win over the class's (``DPOConfig.optim`` has lr 5e-7)."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -52,7 +56,7 @@ def describe(cls: type, prefix: str = "", defaults: Any = None) -> list[tuple[st
         if f.metadata.get("internal"):
             continue
         if cls is PipelineConfig and f.name == "stages":
-            for kind in STAGE_KINDS.values():
+            for kind in STAGE_KINDS.values() if kinds is None else kinds:
                 rows.append((f"{kind.name}.kind", repr(kind.name), f"Stage kind: {kind.description}"))
                 rows += describe(kind.section, kind.name)
             continue
