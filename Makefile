@@ -4,6 +4,7 @@ PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: setup demo lint format test test-all test-fast docs gpu-wheels gpu-check clean
 

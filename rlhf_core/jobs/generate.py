@@ -15,8 +15,8 @@ Each row: ``prompt`` (the raw prompt value), ``response`` (decoded, special toke
 logp_ref) at the rollout temperature, both log-probs from frozen ``ReferencePolicy`` groups of
 ``strategy.num_workers`` workers.
 
-Writes ``<run_uri>/generate/data.<output_format>`` committed by its manifest (``rlhf_core.data.datasets``) and
-``<run_uri>/generate/metrics.json``.
+Writes ``<run_uri>/<stage>/data.<output_format>`` committed by its manifest (``rlhf_core.data.datasets``) and
+``<run_uri>/<stage>/metrics.json``.
 
     python -m rlhf_core.jobs.generate --config PRESET generate.rollout.backend=hf generate.rollout.max_new_tokens=64
 """

@@ -8,8 +8,8 @@ response + EOS, tokenized as the reward-model stage trained it, on a Ray group o
 ``module:function`` or ``path/to/file.py:function``, relative to the working directory, called once as
 ``fn(prompts, responses)`` -> one finite float per row; e.g. ``rlhf_core/assets/reward_fns/gold.py:gold_rewards``).
 
-Writes ``<run_uri>/score/data.<output_format>`` committed by its manifest (``rlhf_core.data.datasets``) and
-``<run_uri>/score/metrics.json``. Selection: ``rlhf_core.data.selection``.
+Writes ``<run_uri>/<stage>/data.<output_format>`` committed by its manifest (``rlhf_core.data.datasets``) and
+``<run_uri>/<stage>/metrics.json``. Selection: ``rlhf_core.data.selection``.
 
     python -m rlhf_core.jobs.score --config PRESET score.select=pairs
 """

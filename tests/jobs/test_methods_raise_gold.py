@@ -1,14 +1,13 @@
 """Each alignment method's tiny preset raises the gold reward of the SFT policy on the bundled task: DPO, KTO,
 rejection sampling (2 iterations), iterative DPO (2 iterations), critic-free GRPO with the reward model and RLVR
 (GRPO on the gold rule as a reward function, no reward model), every policy evaluated alike by a generate stage
-(256 responses to 128 held-out prompts, gold rule; standard error of the mean about 0.01). The other estimators
-(REINFORCE++, its baseline variant, RLOO, Dr. GRPO) are measured with ``rlhf run`` for the README.
+(256 responses to 128 held-out prompts, gold rule; standard error of the mean about 0.01). ``python -m bench.quality``
+measures these and the other estimators' presets (REINFORCE++, RLOO) for docs/results.md.
 
 The stages run as ``python -m rlhf_core.jobs.pipeline`` runs them (each kind's ``run`` in dependency order), on the
 session's Ray. The four presets share their SFT, reward-model and eval_sft sections (and the two loops their first
 generate stage), so those are computed once, in the rejection-sampling run: the other runs start from a copy of its
-committed outputs, which they find complete for the same config hash. The README's table comes from
-``rlhf run <preset>`` of the same presets (the same numbers)."""
+committed outputs, which they find complete for the same config hash."""
 
 import shutil
 
