@@ -191,6 +191,15 @@ def test_the_reference_goes_stale_when_a_keys_help_changes(monkeypatch, tmp_path
     assert reference.main(["--out", str(page)]) == 0 and reference.main(["--check", "--out", str(page)]) == 0
 
 
+def test_python_m_rlhf_core_config_outside_a_checkout_says_where_it_would_write(tmp_path, capsys):
+    assert reference.main(["--out", str(tmp_path / "docs" / "configuration-reference.md")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: no folder {tmp_path / 'docs'}/ here: run from the checkout, or give --out\n"
+    )
+    assert not (tmp_path / "docs").exists()
+
+
 def test_python_m_rlhf_core_config_prints_the_page():
     out = subprocess.run(
         [sys.executable, "-m", "rlhf_core.config", "--out", "-"], cwd=ROOT, capture_output=True, text=True, check=True

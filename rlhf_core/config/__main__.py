@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if why else 0
     if args.out == "-":
         sys.stdout.write(render())
+    elif not Path(args.out).parent.is_dir():
+        print(f"error: no folder {Path(args.out).parent}/ here: run from the checkout, or give --out", file=sys.stderr)
+        return 2
     else:
         Path(args.out).write_text(render(), encoding="utf-8")
         print(f"wrote {args.out}")
