@@ -93,3 +93,15 @@ def test_override_of_an_anchored_section_changes_only_that_stage():
     # tiny.yaml shares one strategy mapping between stages through a YAML anchor.
     cfg = load_config(TINY, ["sft.strategy.num_workers=2"])
     assert cfg.stage("sft").strategy.num_workers == 2 and cfg.stage("reward_model").strategy.num_workers == 1
+
+
+def test_nccl_weight_sync_with_colocated_engines_is_refused_naming_both_keys():
+    # colocate_all puts the engines on the actor's GPUs: an NCCL group of actor rank 0 and an engine worker on one GPU
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["ppo.rollout.weight_sync_backend=nccl", "ppo.placement.colocate_all=true"])
+    assert str(e.value) == (
+        "'ppo.rollout.weight_sync_backend=nccl' cannot be used with 'ppo.placement.colocate_all=true' "
+        "(NCCL refuses two ranks on one GPU): use cuda_ipc or auto"
+    )
+    for allowed in (["ppo.rollout.weight_sync_backend=nccl"], ["ppo.placement.colocate_all=true"]):
+        load_config(TINY, allowed)

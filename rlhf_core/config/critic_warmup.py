@@ -95,6 +95,13 @@ def check_rl(name: str, p: CriticWarmupConfig, critic: bool) -> None:
             f"'{name}.rollout.weight_sync_backend=cuda_ipc' needs '{name}.placement.colocate_all=true' (the engines "
             "must share the actor's GPUs)"
         )
+    if r.weight_sync_backend == "nccl" and p.placement.colocate_all:
+        # The actor's rank 0 and an engine worker would be two ranks of one NCCL communicator on one GPU, which NCCL
+        # refuses at the first sync; colocated engines take the weights by CUDA IPC instead.
+        raise ConfigError(
+            f"'{name}.rollout.weight_sync_backend=nccl' cannot be used with '{name}.placement.colocate_all=true' "
+            "(NCCL refuses two ranks on one GPU): use cuda_ipc or auto"
+        )
     check(a.kl_coef >= 0, f"{name}.algo.kl_coef", a.kl_coef, "must be >= 0")
     check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"{name}.algo.gamma/lam", (a.gamma, a.lam), "must be in [0, 1]")
     check(a.ppo_epochs >= 1, f"{name}.algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
