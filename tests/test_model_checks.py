@@ -325,3 +325,20 @@ def test_custom_code_model_passes_with_trust_remote_code(tmp_path, kind, archite
     refused(folder, r"custom code \(auto_map\); set sft.model.trust_remote_code=true")
     edit_config(folder, vocab_size=512)
     refused(folder, r"tensor \S+ in \S+ has shape \[1024, 64\] but \S+ implies \[512, 64\]", trust_remote_code=True)
+
+
+def test_stop_ids_are_eos_then_the_generation_configs_own(tmp_path):
+    from types import SimpleNamespace
+
+    from rlhf_core.models.builders import ModelPathError, stop_ids
+
+    tok = SimpleNamespace(eos_token_id=128001)
+    assert stop_ids(str(tmp_path), tok) == (128001,)  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [128001, 128009], "do_sample": true}')
+    assert stop_ids(str(tmp_path), tok) == (128001, 128009)  # Llama-3-Instruct's pair, EOS not repeated
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 151643}')
+    assert stop_ids(str(tmp_path), SimpleNamespace(eos_token_id=151645)) == (151645, 151643)  # Qwen2.5-Instruct's
+    assert stop_ids("builtin:tiny", tok) == (128001,)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ModelPathError, match="generation_config.json: not a JSON object"):
+        stop_ids(str(tmp_path), tok)

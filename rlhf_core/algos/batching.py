@@ -8,22 +8,29 @@ token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .experience import SequenceBatch
 
 
-def ensure_eos(responses: list[list[int]], eos_id: int) -> tuple[list[list[int]], torch.Tensor]:
+def ensure_eos(
+    responses: list[list[int]], eos_id: int, stop_ids: Sequence[int] = ()
+) -> tuple[list[list[int]], torch.Tensor]:
     """Close every response with EOS; a response cut at max_new_tokens has none.
 
     Args:
         responses: B lists of token ids (not modified).
-        eos_id: the EOS token id.
+        eos_id: the EOS token id, appended where a response does not end on a stop id.
+        stop_ids: the other ids that end a response as EOS does (a model's ``generation_config.eos_token_id``:
+            Llama-3-Instruct ends a turn with <|eot_id|>, Qwen2.5-Instruct with <|im_end|>; the engines stop there).
     Returns:
-        (responses, truncated): new lists, each ending with ``eos_id`` (``eos_id`` appended where the last token
-        was not EOS; an empty response becomes ``[eos_id]``), and a (B,) bool tensor, True where EOS was appended.
+        (responses, truncated): new lists, each ending with a stop id (``eos_id`` appended where the last token was
+        none; an empty response becomes ``[eos_id]``), and a (B,) bool tensor, True where EOS was appended.
     """
-    truncated = [not r or r[-1] != eos_id for r in responses]
+    stops = {eos_id, *stop_ids}
+    truncated = [not r or r[-1] not in stops for r in responses]
     closed = [list(r) + [eos_id] if cut else list(r) for r, cut in zip(responses, truncated)]
     return closed, torch.tensor(truncated, dtype=torch.bool).reshape(len(responses))
 

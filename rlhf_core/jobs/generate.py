@@ -38,7 +38,7 @@ from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.placement import engine_kwargs, generate_groups
 from rlhf_core.jobs import common
-from rlhf_core.models.builders import BUILTIN_PREFIX, build_causal_lm, load_tokenizer
+from rlhf_core.models.builders import BUILTIN_PREFIX, build_causal_lm, load_tokenizer, stop_ids
 from rlhf_core.rewards import load_gold
 from rlhf_core.types import CheckpointRef
 
@@ -155,6 +155,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
         tokenizer = load_tokenizer(st.model_path, g.model.tokenizer, trust_remote_code=g.model.trust_remote_code)
         prompts = prompt_examples(g.data, tokenizer, "train", st.store.fs.storage_options)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        stops = stop_ids(st.model_path, tokenizer)  # a response ending on one of them stopped; else it hit the length
         device = resolve_device(g.strategy.device)
 
         # 3. engines (and the log-prob groups), then sampling
@@ -202,7 +203,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
                 "prompt_index": i,
                 "sample_index": j,
                 "response_tokens": len(tokens),
-                "finish_reason": "stop" if tokens and tokens[-1] == tokenizer.eos_token_id else "length",
+                "finish_reason": "stop" if tokens and tokens[-1] in stops else "length",
             }
             if gold is not None:
                 row["gold_reward"] = float(gold(_prompt_text(row["prompt"]), row["response"]))

@@ -67,7 +67,7 @@ from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext, TrainableRole
 from rlhf_core.jobs import common
-from rlhf_core.models.builders import load_tokenizer
+from rlhf_core.models.builders import load_tokenizer, stop_ids
 from rlhf_core.ppo_eval import HeldOut, summary_metrics
 from rlhf_core.rewards import SOURCE_LOGS, RewardSources, Scored
 from rlhf_core.storage import ObjectStore
@@ -140,6 +140,7 @@ class PPOController:
         self.store: ObjectStore = setup.store
         self.tokenizer = inputs.tokenizer
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        self.stop_ids = stop_ids(self.paths["actor"], self.tokenizer)  # what the engines stop on, EOS among them
         train = p.train
         self.prompts = inputs.prompts
         self.held_out = inputs.held_out
@@ -315,7 +316,7 @@ class PPOController:
         n = len(responses) // len(prompt_ids)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         seq = make_sequences(expanded, responses, self.pad_id)
-        closed, truncated = ensure_eos(responses, self.eos_id)
+        closed, truncated = ensure_eos(responses, self.eos_id, self.stop_ids)
         started = time.perf_counter()
         refs = {"actor": self.actor.call_each_async(PolicyActor.logprobs, seq.shard(len(self.actor)))}
         if self.reference is not None:

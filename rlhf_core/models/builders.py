@@ -58,6 +58,22 @@ def load_tokenizer(
     return tokenizer
 
 
+def stop_ids(model_path: str, tokenizer: Any) -> tuple[int, ...]:
+    """The token ids that end a response: the tokenizer's EOS first, then the ``eos_token_id`` of the model's
+    ``generation_config.json`` (an id or a list). Instruct models list their end-of-turn token there
+    (Llama-3-Instruct: <|end_of_text|> and <|eot_id|>; Qwen2.5-Instruct: <|im_end|> and <|endoftext|>), and vLLM and
+    Hugging Face ``generate`` stop on each of them. A file that does not parse raises ``ModelPathError``."""
+    ids = [tokenizer.eos_token_id]
+    path = Path(model_path) / "generation_config.json"
+    if not model_path.startswith(BUILTIN_PREFIX) and path.is_file():
+        try:
+            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise ModelPathError(f"{path}: not a JSON object ({first_line(e)})") from None
+        ids += value if isinstance(value, list) else [value]
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 
 

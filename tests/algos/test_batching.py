@@ -33,3 +33,13 @@ def test_ensure_eos_appends_to_truncated_and_empty_responses():
     assert responses == [[5, 2], [5, 6], [], [2]]  # the input lists are not modified
     closed_none, truncated_none = ensure_eos([], eos_id=2)
     assert closed_none == [] and truncated_none.shape == (0,)
+
+
+def test_ensure_eos_counts_every_stop_id_as_an_end():
+    # An instruct model ends a turn on its own token (Llama-3-Instruct's <|eot_id|> = 9 here) as well as on EOS (2):
+    # [5, 9] and [5, 2] stopped, [5, 7] was cut at max_new_tokens and gets EOS; [] gets EOS.
+    closed, truncated = ensure_eos([[5, 9], [5, 2], [5, 7], []], eos_id=2, stop_ids=(2, 9))
+    assert closed == [[5, 9], [5, 2], [5, 7, 2], [2]]
+    assert truncated.tolist() == [False, False, True, True]
+    # without the stop ids, [5, 9] would be taken as cut: EOS appended and the missing-EOS penalty applied
+    assert ensure_eos([[5, 9]], eos_id=2)[1].tolist() == [True]

@@ -228,3 +228,23 @@ def test_hf_engine_generate_load_and_sync(ray_cluster, tiny):
     # the group's own calls: prompts spread over its engine, an empty response never returned
     assert remote.generate(prompts, sampling) == [[tok.eos_token_id]] * 12
     remote.shutdown()
+
+
+def test_hf_engine_stops_on_every_stop_id_of_the_generation_config(tiny, tmp_path):
+    """An instruct model lists its end-of-turn token beside EOS in generation_config.json (Llama-3-Instruct:
+    [128001, 128009]); the engine stops on either, as vLLM does. Here the token the model greedily emits first is
+    declared a second stop id: the same prompt's response then ends right there instead of running to the limit."""
+    import json
+    import shutil
+
+    path, tok, _, prompts = tiny
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=6, seed=0)
+    free = HFGenerateEngine(path).generate(prompts[:1], greedy)[0]
+    assert len(free) == 6 and tok.eos_token_id not in free  # the tiny model runs to the limit without stopping
+    stop = free[2]
+    instruct = tmp_path / "instruct"
+    shutil.copytree(path, instruct)
+    (instruct / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, stop]}))
+    engine = HFGenerateEngine(str(instruct))
+    assert engine.stop_ids == (tok.eos_token_id, stop)
+    assert engine.generate(prompts[:1], greedy)[0] == free[: free.index(stop) + 1]

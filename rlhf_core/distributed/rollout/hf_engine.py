@@ -28,7 +28,7 @@ class HFGenerateEngine:
     ):
         """``seed``: the base of the sampling seeds; ``init_seed``: the build seed of a ``builtin:`` model (the
         actor's ``init_seed``, so that engine and actor start from the same weights)."""
-        from rlhf_core.models.builders import build_causal_lm, load_tokenizer
+        from rlhf_core.models.builders import build_causal_lm, load_tokenizer, stop_ids
 
         model_path = local_model_path(model_path)  # a StageModel (a stage output): this node's copy
         start = time.perf_counter()
@@ -46,6 +46,7 @@ class HFGenerateEngine:
         self.model.eval()
         self.seed = seed
         self.eos_id = self.tokenizer.eos_token_id
+        self.stop_ids = stop_ids(model_path, self.tokenizer)  # EOS first: the id generate pads finished rows with
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self._sync_group: Any = None
         self.start_s = time.perf_counter() - start
@@ -99,7 +100,7 @@ class HFGenerateEngine:
         kwargs: dict[str, Any] = dict(
             max_new_tokens=sampling.max_new_tokens,
             do_sample=not greedy,
-            eos_token_id=self.eos_id,
+            eos_token_id=list(self.stop_ids),
             pad_token_id=self.pad_id,
             # scores = the logits after the logits processors and warpers (temperature, top-p) of each step
             output_scores=with_logprobs,
@@ -119,8 +120,9 @@ class HFGenerateEngine:
             step_logprobs = torch.log_softmax(scores, dim=-1).gather(2, new.unsqueeze(2)).squeeze(2).cpu()
         responses, logprobs = [], []
         for i, row in enumerate(new.tolist()):
-            if self.eos_id in row:
-                row = row[: row.index(self.eos_id) + 1]
+            end = next((t for t, token in enumerate(row) if token in self.stop_ids), None)
+            if end is not None:
+                row = row[: end + 1]
             responses.append(row)
             if step_logprobs is not None:
                 logprobs.append(step_logprobs[i, : len(row)].tolist())
