@@ -147,7 +147,9 @@ class InferenceStrategy(WorkerConfig):
 
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage, 0-3.")
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = opt(
-        "auto", "auto = flash_attention_2 when installed on a GPU, else sdpa."
+        "auto",
+        "auto = flash_attention_2 when installed on a GPU, else sdpa. PPO's frozen reward and reference models "
+        "follow ppo.actor.strategy.attn_implementation; DPO/KTO's reference group follows the stage's.",
     )
 
     def validate(self, key: str) -> None:

@@ -30,11 +30,12 @@ class ReferencePolicy:
         zero_stage: int = 0,
         offload: bool = False,
         packing: bool = True,
+        attn: str = "auto",
     ):
         model_path = local_model_path(model_path)  # a StageModel: this node's copy
         self.strategy = FrozenStrategy(zero_stage, offload, precision, micro_batch_size)
         tokenizer = load_tokenizer(model_path, tokenizer_path, trust_remote_code=trust_remote_code)
-        attn = attn_implementation("auto", self.strategy.device.type)
+        attn = attn_implementation(attn, self.strategy.device.type)  # the trained role's kernel: same numbers
         self.model = self.strategy.build(
             lambda: build_causal_lm(
                 model_path,

@@ -243,9 +243,15 @@ class PPOController:
                 **base,
             )
             self.critic = cluster.group(plan.roles["critic"].strategy, CriticActor, critic_ctx, **placed("critic"))
-        # The frozen roles (forwards only); frozen.zero_stage 3: one ZeRO-3 copy over the workers.
+        # The frozen roles (forwards only); frozen.zero_stage 3: one ZeRO-3 copy over the workers. They take the
+        # actor's packing and attention kernel, so reference and actor log-probs come from the same kernel.
         micro, precision = train.micro_rollout_batch_size, p.actor.strategy.precision
-        frozen = dict(zero_stage=p.frozen.zero_stage, offload=p.frozen.offload, packing=p.actor.strategy.packing)
+        frozen = dict(
+            zero_stage=p.frozen.zero_stage,
+            offload=p.frozen.offload,
+            packing=p.actor.strategy.packing,
+            attn=p.actor.strategy.attn_implementation,
+        )
         if roles.reward_model:  # rewards from a function or a server only: no reward-model workers
             rm = p.reward.model
             self.reward = cluster.group(

@@ -164,6 +164,7 @@ def precompute_reference(
             tokenizer_path=ref.tokenizer,
             trust_remote_code=ref.trust_remote_code,
             packing=s.packing,
+            attn=s.attn_implementation,
             name="reference",
         )
         out = {name: _score(group, seqs, pad_id) for name, seqs in splits.items()}

@@ -248,3 +248,17 @@ def test_hf_engine_stops_on_every_stop_id_of_the_generation_config(tiny, tmp_pat
     engine = HFGenerateEngine(str(instruct))
     assert engine.stop_ids == (tok.eos_token_id, stop)
     assert engine.generate(prompts[:1], greedy)[0] == free[: free.index(stop) + 1]
+
+
+def test_the_frozen_roles_take_the_configured_attention_kernel(tiny):
+    """The reference and reward workers build their model with the kernel they are given (the actor's
+    ``strategy.attn_implementation``), not their own ``auto``: reference and actor log-probs from one kernel."""
+    from rlhf_core.distributed.reference import ReferencePolicy
+    from rlhf_core.distributed.reward import RewardScorer
+
+    path = tiny[0]
+    for attn in ("eager", "sdpa"):
+        ref = ReferencePolicy(path, 2, "fp32", attn=attn)
+        rm = RewardScorer(path, 2, "fp32", attn=attn)
+        assert ref.model.config._attn_implementation == attn
+        assert rm.model.hf_model.config._attn_implementation == attn
