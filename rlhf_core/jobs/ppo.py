@@ -19,10 +19,12 @@ the critic warm-up runs this loop, its actor frozen. Writes ``ppo/`` (policy), `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -215,6 +217,11 @@ class PPOController:
                 enable_sleep=p.rollout.enable_sleep,
             ),
         )
+        if p.rollout.enable_sleep:
+            # vLLM sizes its KV cache from the GPU memory free while it starts, device-wide: the roles that share its
+            # GPUs load their models only once it is up and asleep (OpenRLHF's order), so it is charged for its own.
+            self.engines.wait_ready()
+            self.engines.sleep()
         actor_ctx = RoleContext(
             role="actor",
             model_path=sources["actor"],
@@ -463,6 +470,19 @@ class PPOController:
         self.engines.wake_up(["weights"])  # sleeping engines take the weights first; the KV cache waits for a rollout
         return self.actor.call(PolicyActor.push_weights)[0]
 
+    @contextlib.contextmanager
+    def engines_awake(self) -> Iterator[None]:
+        """What the engines do outside a rollout (the sync probes, the evaluations) done as a rollout is: with the
+        trained roles' optimizer states in host memory (``placement.offload_states_during_rollout``) and the engines
+        asleep again afterwards (``rollout.enable_sleep``), so their KV cache never meets the training states on a
+        shared GPU."""
+        self.move_training_states(offload=True)
+        try:
+            yield
+        finally:
+            self.engines.sleep()
+            self.move_training_states(offload=False)
+
     def probe_logprobs(self) -> tuple[list[float], list[float]]:
         """Log-probs of one fixed sequence from the first engine and from the actor (rank 0's copy), both of the raw
         logits (temperature 1: the engines' prompt log-probs do not see the sampling temperature)."""
@@ -544,11 +564,13 @@ class PPOController:
             if self.train_actor:
                 self.push_weights()  # the engines start from the initial policy: give them the checkpointed one
         resumed_from = state["step"]
-        engine_lp_start, _ = self.probe_logprobs()
+        with self.engines_awake():
+            engine_lp_start, _ = self.probe_logprobs()
         eval_before_s = 0.0  # the evaluation before training, within the start-up (none on a resume: it is saved)
         if state["before"] is None:
             t0 = time.perf_counter()
-            state["before"] = self.evaluate()
+            with self.engines_awake():
+                state["before"] = self.evaluate()
             eval_before_s = time.perf_counter() - t0
             print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
 
@@ -616,7 +638,8 @@ class PPOController:
             if checkpoint:
                 fail_if_injected(fail_after, step + 1)
 
-        after = self.evaluate()
+        with self.engines_awake():
+            after = self.evaluate()
         print(f"[{stage}] after: {_fmt(after)}", flush=True)
         metrics: dict[str, Any] = {
             "steps": self.steps,
@@ -625,7 +648,8 @@ class PPOController:
             "eval_before_s": eval_before_s,
         }
         # Proof of the weight sync: the engines now compute what the trained actor computes.
-        probes = (*self.probe_logprobs(), engine_lp_start)
+        with self.engines_awake():
+            probes = (*self.probe_logprobs(), engine_lp_start)
         metrics.update(summary_metrics(state["history"], state["before"], after, probes))
         self.history = state["history"]
         return metrics

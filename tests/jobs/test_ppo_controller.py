@@ -3,6 +3,8 @@ no Ray): what each role is given, how truncated responses are scored and penalis
 actor as its own reference."""
 
 import dataclasses
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,3 +148,113 @@ def test_the_critic_warmups_frozen_actor_is_its_own_reference(start, tmp_path):
     )  # no penalty at all: the same advantages and returns, bit for bit
     unpenalised, _ = controller.advantages(scored)
     assert torch.equal(out.advantages, unpenalised.advantages) and torch.equal(out.returns, unpenalised.returns)
+
+
+# -- the order of the start, and the engines' work outside a rollout ------------------------------------------------
+class Stop(Exception):
+    """Ends a controller's start at its first role group: the order up to there is what the test reads."""
+
+
+class StartOrder(LocalCluster):
+    """A cluster that declares GPUs and records when the controller starts the engines, waits for them, puts them to
+    sleep and loads the first role (where the record ends)."""
+
+    def __init__(self):
+        super().__init__(resources={"CPU": math.inf, "GPU": 8.0}, device="cpu")
+        self.events = []
+
+    def engines(self, count, model_path, **kwargs):
+        self.events.append("engines start")
+        return SimpleNamespace(
+            wait_ready=lambda: self.events.append("engines ready"),
+            sleep=lambda: self.events.append("engines asleep"),
+            shutdown=lambda: None,
+        )
+
+    def group(self, strategy, cls, *args, **kwargs):
+        self.events.append(f"{cls.__name__} loads")
+        raise Stop
+
+
+def start_order(tmp_path, *overrides: str) -> list[str]:
+    cfg = load_config(TINY, [f"run_uri={tmp_path / 'run'}", *overrides])
+    p = as_ppo(cfg.stage("ppo"))
+    models = dict.fromkeys(("actor", "critic", "reward", "reference"), MODEL)
+    setup = common.StageSetup(
+        "ppo", p, ObjectStore(str(tmp_path / "run")), str(tmp_path), models, {}, "test", None, sources=dict(models)
+    )
+    prompts = [{"prompt": f"prompt {i}", "prompt_ids": [5 + i, 6, 7]} for i in range(16)]
+    inputs = ppo.PPOInputs(load_tokenizer(MODEL), prompts, HeldOut([]), RewardSources(weights={"reward": 1.0}))
+    cluster = StartOrder()
+    controller = ppo.PPOController("ppo", p, setup, True, RoleSet.of(p, True), inputs, cluster)
+    with pytest.raises(Stop):
+        controller.start()
+    controller.shutdown()
+    return cluster.events
+
+
+def test_sleeping_engines_are_up_and_asleep_before_any_role_loads_its_model(tmp_path):
+    # The hybrid engine on GPUs (the 1-GPU preset's layout): vLLM measures the free GPU memory while it starts, so the
+    # roles sharing its GPUs load only once it is up and asleep.
+    hybrid = ("ppo.rollout.backend=vllm", "ppo.rollout.enable_sleep=true", "ppo.placement.colocate_all=true")
+    events = start_order(tmp_path, *hybrid, "ppo.actor.strategy.device=cuda")
+    assert events == ["engines start", "engines ready", "engines asleep", "PolicyActor loads"]
+    # Engines that never sleep start beside the roles, as before: their start-up overlaps the roles' set-up.
+    assert start_order(tmp_path) == ["engines start", "PolicyActor loads"]
+
+
+class Offloads(LocalWorkerGroup):
+    """A one-rank group that records when the trained roles' states go to host memory and come back."""
+
+    events: list[str] = []
+
+    def call_async(self, method, *args, **kwargs):
+        if method.__name__ in ("offload_states", "reload_states"):
+            self.events.append(method.__name__)
+        return super().call_async(method, *args, **kwargs)
+
+
+class EngineCalls(LocalCluster):
+    """The in-process cluster, with every engine call the controller makes recorded beside the roles' offloads."""
+
+    group_class = Offloads
+
+    def engines(self, *args, **kwargs):
+        group = super().engines(*args, **kwargs)
+        events = Offloads.events
+
+        class Recorded:
+            def __getattr__(self, name):
+                attr = getattr(group, name)
+                if name in ("generate", "generate_with_logprobs", "sequence_logprobs", "sleep") and callable(attr):
+                    return lambda *a, **k: (events.append(name), attr(*a, **k))[1]
+                return attr
+
+        return Recorded()
+
+
+def test_the_probes_and_evaluations_run_with_the_training_states_offloaded(tmp_path, monkeypatch):
+    """With placement.offload_states_during_rollout, the engines' work outside a rollout (the sync probes at the
+    start and the end, the evaluations before and after training) happens as a rollout does: the trained roles'
+    states in host memory first, the engines put back to sleep after, the states reloaded."""
+    monkeypatch.setattr(Offloads, "events", [])
+    cfg = load_config(
+        TINY,
+        [
+            f"run_uri={tmp_path / 'run'}",
+            *(f"ppo.{role}.model.name_or_path={MODEL}" for role in ("actor", "critic", "reward")),
+            "ppo.algo.normalize_reward=false",  # a builtin reward model has no stored statistics
+            "ppo.placement.offload_states_during_rollout=true",
+            "ppo.train.max_steps=1",
+            "ppo.train.eval_prompts=4",
+        ],
+    )
+    ppo.run(cfg, "ppo", cluster=EngineCalls())
+    events = Offloads.events
+    work = [i for i, e in enumerate(events) if e in ("generate", "generate_with_logprobs", "sequence_logprobs")]
+    assert [events[i] for i in work] == ["sequence_logprobs", "generate", "generate_with_logprobs", "generate"] + [
+        "sequence_logprobs"
+    ]
+    for i in work:  # each engine call comes while the states of both trained roles (actor, critic) are offloaded
+        before = events[:i]
+        assert before.count("offload_states") - before.count("reload_states") == 2, (i, events)
