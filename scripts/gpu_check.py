@@ -233,6 +233,9 @@ def check_train(role_name: str, role_cls: type, plan: dict[str, Any], device: st
         sync(device)
         seconds.append(time.perf_counter() - start)
         losses.append(next(v for k, v in stats.items() if k.endswith("loss")))
+    offload = offload_round_trip(role.engine, device)
+    stats = role.fit(exp, step=plan["steps"] + 1)  # training goes on from the reloaded states
+    losses.append(next(v for k, v in stats.items() if k.endswith("loss")))
     tokens = seq.size * seq.input_ids.shape[1]
     n = role.construction["params"]
     step_s = min(seconds)
@@ -258,13 +261,47 @@ def check_train(role_name: str, role_cls: type, plan: dict[str, Any], device: st
         "resident_bytes_before_step": before if device == "cuda" else None,
         **role.construction,
     }
+    record.update(offload)
+    record["ok"] = finite and offload["offload_round_trip_ok"]
     if not finite:
         record["reason"] = f"non-finite loss {losses}"
+    elif not offload["offload_round_trip_ok"]:
+        record["reason"] = "the training states changed over an offload/reload round trip, or did not leave the GPU"
     del role, exp
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return emit(record)
+
+
+def _training_states(engine: Any) -> list[torch.Tensor]:
+    """The ZeRO-3 engine's fp32 master partitions and Adam moments, as they are now (copies on the CPU)."""
+    opt = engine.optimizer
+    moments = [t for state in opt.optimizer.state.values() for k, t in state.items() if k in ("exp_avg", "exp_avg_sq")]
+    return [t.detach().to("cpu", copy=True) for t in [*opt.fp32_partitioned_groups_flat, *moments]]
+
+
+def offload_round_trip(engine: Any, device: str) -> dict[str, Any]:
+    """What ``placement.offload_states_during_rollout`` does around every rollout: the training states of a ZeRO-3
+    engine with torch's AdamW to host memory and back. They must come back bit for bit, and on a GPU leave it
+    (allocated bytes fall by at least half of the master weights and moments)."""
+    from rlhf_core.distributed.strategy import offload_training_states
+
+    before = _training_states(engine)
+    state_bytes = sum(t.numel() * t.element_size() for t in before)
+    sync(device)
+    resident = torch.cuda.memory_allocated() if device == "cuda" else 0
+    offload_training_states(engine, pin_memory=device == "cuda")
+    sync(device)
+    freed = resident - torch.cuda.memory_allocated() if device == "cuda" else None
+    engine.reload_states()
+    same = all(torch.equal(a, b) for a, b in zip(before, _training_states(engine), strict=True))
+    left = freed is None or freed >= state_bytes // 2
+    return {
+        "offload_state_bytes": state_bytes,
+        "offload_freed_bytes": freed,
+        "offload_round_trip_ok": bool(same and left and before),
+    }
 
 
 def check_zero_init(plan: dict[str, Any], device: str) -> dict:

@@ -18,7 +18,7 @@ from rlhf_core.config import OptimConfig, PPOAlgoConfig, StrategyConfig, TrainCo
 from rlhf_core.distributed import device
 from rlhf_core.distributed.checkpoints import export_hf, load_engine_shards, save_engine_shards
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
-from rlhf_core.distributed.strategy import DeepSpeedStrategy
+from rlhf_core.distributed.strategy import DeepSpeedStrategy, offload_training_states
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
 from rlhf_core.storage import ObjectStore
 
@@ -200,17 +200,12 @@ class TrainableRole:
     # -- offload while the rollout engines generate (ppo.placement.offload_states_during_rollout) -----------------
     def offload_states(self) -> bool:
         """Move what only training needs (optimizer states, fp32 master weights, gradient buffers) to host memory,
-        so that colocated rollout engines have the GPU memory; the weights the experience forwards use stay.
-        DeepSpeed's ``engine.offload_states`` exists for its ZeRO-1/2/3 optimizers only (``placement.check_fits``
-        refuses ZeRO-0). On CPU the states already live in host memory: nothing moves, returns False."""
+        so that colocated rollout engines have the GPU memory; the weights the experience forwards use stay
+        (``strategy.offload_training_states``; ZeRO-1/2/3 only: ``placement.check_fits`` refuses ZeRO-0). On CPU the
+        states already live in host memory: nothing moves, returns False."""
         if self.device.type != "cuda":
             return False
-        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-
-        kinds = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
-        include = [OffloadStateTypeEnum(k) for k in kinds]
-        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=True)
-        torch.cuda.empty_cache()
+        offload_training_states(self.engine, pin_memory=True)
         return True
 
     def reload_states(self) -> bool:

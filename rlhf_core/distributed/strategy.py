@@ -158,6 +158,45 @@ class DeepSpeedStrategy:
         return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
 
+def offload_training_states(engine: Any, pin_memory: bool) -> None:
+    """Move what only training needs (fp32 master weights, Adam states, gradient buffers) of a DeepSpeed ZeRO-1/2/3
+    engine to host memory; ``engine.reload_states()`` brings all of it back. The parameters the forwards use stay.
+
+    DeepSpeed's ZeRO-3 ``offload_states`` refuses the master weights and Adam states unless the optimizer is its own
+    ``FusedAdam`` (a CUDA op compiled on first use), though the moves it makes read only the Adam state keys, which
+    ``torch.optim.AdamW`` shares. For ZeRO-3 those two are moved here as DeepSpeed moves them, and recorded in its
+    ``offloaded_states``, so that its ``reload_states`` restores them with the rest."""
+    import_deepspeed()
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    from deepspeed.runtime.zero.offload_states import offload_adam_states
+
+    zero3 = engine.zero_optimization_stage() == 3
+    kinds = ["lp_grads", "contiguous_grad_buffer", *([] if zero3 else ["optim_states", "hp_params"])]
+    include = [OffloadStateTypeEnum(k) for k in kinds]
+    engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=pin_memory)
+    if not zero3:
+        return
+    opt, done = engine.optimizer, engine.optimizer.offloaded_states
+    if OffloadStateTypeEnum.hp_params not in done:
+        if pin_memory:  # the buffers DeepSpeed's reload_states copies back from
+            if not hasattr(opt, "hp_params_pin_buffers"):
+                opt.hp_params_pin_buffers = [
+                    torch.empty_like(t, device="cpu").pin_memory() for t in opt.fp32_partitioned_groups_flat
+                ]
+            for flat, buffer in zip(opt.fp32_partitioned_groups_flat, opt.hp_params_pin_buffers, strict=True):
+                buffer.copy_(flat)
+                flat.data = buffer
+        else:
+            for flat in opt.fp32_partitioned_groups_flat:
+                flat.data = flat.data.to("cpu")
+        done.add(OffloadStateTypeEnum.hp_params)
+    if OffloadStateTypeEnum.optim_states not in done:
+        offload_adam_states(opt.optimizer, "cpu", pin_memory=pin_memory)
+        done.add(OffloadStateTypeEnum.optim_states)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def join_world() -> tuple[int, int]:
     """Join this worker's torch.distributed world (NCCL on CUDA, after selecting the worker's device; gloo on CPU),
     unless already joined; returns (rank, world size)."""
