@@ -95,6 +95,10 @@ class WorkerWeightReceiver:
         finally:
             # Keep the transfers in lockstep with the sender even if the loader stopped early or failed.
             stream.drain()
+            # Each bucket was a fresh allocation: hand the cache they leave back, or a bucket's worth of GPU memory
+            # stays reserved in this worker through training, beyond what vLLM's sleep releases.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         stream.raise_if_aborted()
 
 
