@@ -82,6 +82,10 @@ class Cluster(Protocol):
         """The cluster's total resources (``CPU``, ``GPU``, custom ones)."""
         ...
 
+    def device(self, requested: str) -> str:
+        """Where roles asking for ``requested`` (``auto``, ``cpu``, ``cuda``) run on this cluster (once started)."""
+        ...
+
     def nodes(self) -> list[dict[str, float]]:
         """The resources of each node."""
         ...
@@ -167,6 +171,9 @@ class RayCluster:
 
     def resources(self) -> dict[str, float]:
         return launcher.cluster_resources()
+
+    def device(self, requested: str) -> str:
+        return resolve_device(requested, self.resources().get("GPU", 0.0))
 
     def nodes(self) -> list[dict[str, float]]:
         return launcher.node_resources()
@@ -313,7 +320,7 @@ class LocalCluster:
     group_class: type[LocalWorkerGroup[Any]] = LocalWorkerGroup
 
     def __init__(self, resources: dict[str, float] | None = None, device: str | None = None):
-        self.device = device
+        self.device_override = device
         if resources is None:
             resources = {"CPU": math.inf, "GPU": math.inf if torch.cuda.is_available() else 0.0}
         self._resources = dict(resources)
@@ -330,6 +337,9 @@ class LocalCluster:
 
     def resources(self) -> dict[str, float]:
         return dict(self._resources)
+
+    def device(self, requested: str) -> str:
+        return self.device_override or resolve_device(requested)
 
     def nodes(self) -> list[dict[str, float]]:
         return [dict(self._resources)]
@@ -412,7 +422,7 @@ class LocalCluster:
                 self._saved_env.update({name: os.environ.get(name) for name in WORLD_ENV})
                 world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1"}
                 os.environ.update(world, RANK="0", LOCAL_RANK="0")
-        os.environ[DEVICE_ENV] = self.device or resolve_device(strategy.device)
+        os.environ[DEVICE_ENV] = self.device_override or resolve_device(strategy.device)
 
     def _end_world(self) -> None:
         """End the world this cluster's roles made (through DeepSpeed: ``leave_world``); the environment as before."""

@@ -1,6 +1,6 @@
 """The one place that knows where tensors live: the worker's device, moving batches to it, and every collective.
 
-The device is chosen once, by the driver (``resolve_device``: ``auto`` = cuda when a GPU is visible), and reaches
+The device is chosen once, by the driver (``resolve_device``: ``auto`` = cuda when the cluster has GPUs), and reaches
 each Ray worker as ``RLHF_DEVICE``; ``current()`` reads it back. A batch from Ray arrives on the CPU: the role and
 trainer code hands it through ``to_device`` before any forward (DeepSpeed's forward does not move inputs).
 
@@ -29,11 +29,15 @@ DEVICE_ENV = "RLHF_DEVICE"
 B = TypeVar("B")
 
 
-def resolve_device(requested: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cpu``/``cuda`` are kept."""
+def resolve_device(requested: str, gpus: float | None = None) -> str:
+    """``auto`` -> ``cuda`` when the cluster has GPUs (``gpus``: its ``GPU`` resource), else ``cpu``; ``cpu``/``cuda``
+    are kept. Without ``gpus`` (no cluster: this process is where the work runs) a GPU visible here decides. On a
+    Ray cluster the workers' GPUs count, not the driver's: a driver in a container without GPUs, or on a CPU head
+    node, still puts the roles on the GPUs that the engines take."""
     if requested != "auto":
         return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    has_gpu = torch.cuda.is_available() if gpus is None else gpus > 0
+    return "cuda" if has_gpu else "cpu"
 
 
 def current() -> torch.device:

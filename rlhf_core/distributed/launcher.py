@@ -215,7 +215,7 @@ class RayWorkerGroup(Generic[T]):
 
         check_constructor(factory, args, kwargs)
         self.cls: type[T] = factory
-        device = resolve_device(cfg.device)
+        device = resolve_device(cfg.device, ray.cluster_resources().get("GPU", 0.0))  # the workers' GPUs decide
         gpus = share if device == "cuda" else 0
         remote_shell = ray.remote(_Shell)
         base_env = {"RLHF_DEVICE": device, "TOKENIZERS_PARALLELISM": "false"}

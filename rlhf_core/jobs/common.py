@@ -214,12 +214,12 @@ def ray_cpus(section: Any) -> float | None:
     """The CPUs a stage's Ray workers ask for (what its job passes to ``launcher.init_ray``); None for a kind that
     runs without Ray (critic_init)."""
     if isinstance(section, CriticWarmupConfig):  # ppo and critic_warmup
-        from rlhf_core.distributed.device import resolve_device
         from rlhf_core.distributed.placement import RoleSet, resource_demand
 
-        # The section does not say its kind: counted with a trained actor (a critic warm-up's reference too).
+        # The section does not say its kind: counted with a trained actor (a critic warm-up's reference too). The
+        # CPUs asked are the same on any device.
         p = as_ppo(section)
-        return resource_demand(p, RoleSet.of(p), resolve_device(p.actor.strategy.device))["CPU"]
+        return resource_demand(p, RoleSet.of(p), "cpu")["CPU"]
     if isinstance(section, GenerateConfig):  # the engines and, with a reference, two log-prob groups
         from rlhf_core.distributed.placement import generate_groups
 

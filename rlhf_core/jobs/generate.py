@@ -35,7 +35,6 @@ from rlhf_core.config import ConfigError, GenerateConfig, PipelineConfig
 from rlhf_core.data.datasets import write_dataset
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
-from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.placement import engine_kwargs, generate_groups
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import BUILTIN_PREFIX, build_causal_lm, load_tokenizer, stop_ids
@@ -156,12 +155,12 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
         prompts = prompt_examples(g.data, tokenizer, "train", st.store.fs.storage_options)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         stops = stop_ids(st.model_path, tokenizer)  # a response ending on one of them stopped; else it hit the length
-        device = resolve_device(g.strategy.device)
 
         # 3. engines (and the log-prob groups), then sampling
         demand = sum(n * c for n, c, _ in generate_groups(stage, g).values())
         cluster.start(min_cpus=demand)
         started = True
+        device = cluster.device(g.strategy.device)
         check_fits(stage, g, cluster.resources(), cluster.nodes())
         kwargs = engine_kwargs(r, g.model, g.strategy.precision, device, g.seed, g.data.max_len)
         engines = cluster.engines(

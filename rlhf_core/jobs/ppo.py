@@ -51,7 +51,6 @@ from rlhf_core.distributed.actor import PolicyActor
 from rlhf_core.distributed.checkpoints import commit_checkpoint, fail_if_injected, newest_checkpoint, write_entry
 from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
 from rlhf_core.distributed.critic import CriticActor
-from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.placement import (
     PlacementPlan,
     RoleSet,
@@ -157,7 +156,7 @@ class PPOController:
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
         # The critic warm-up's frozen actor is its own reference: its old log-probs are the reference's (no group).
         self.ref_from_actor = needs_kl(p.algo) and actor_is_reference(p, train_actor)
-        self.device = resolve_device(p.actor.strategy.device)
+        self.device = ""  # where the roles run: decided by the cluster in start()
         # PPO steps in which the actor trains: its LR schedule spans only those (the frozen warm-up steps do not
         # count, so a decaying schedule completes on the last step).
         self.actor_ppo_steps = max(0, self.steps - train.freeze_actor_steps) if train_actor else 0
@@ -174,8 +173,9 @@ class PPOController:
     # -- start: the roles and engines, placed by the plan -------------------------------------------------------------
     def start(self) -> None:
         p, train, roles, sources, cluster = self.p, self.p.train, self.roles, self.setup.sources, self.cluster
-        cluster.start(min_cpus=resource_demand(p, roles, self.device)["CPU"])
+        cluster.start(min_cpus=resource_demand(p, roles, "cpu")["CPU"])  # the CPUs asked do not depend on the device
         self.started = True
+        self.device = cluster.device(p.actor.strategy.device)
         check_fits(self.stage, p, roles, self.device, cluster.resources(), cluster.nodes())
         plan = PlacementPlan.of(p, roles)
         bundles = {name: cluster.colocation(count, 1.0, self.device) for name, count in plan.groups.items()}

@@ -275,6 +275,9 @@ class RecordingCluster(LocalCluster):
         self.record["init_ray"].append(min_cpus)
         super().start(min_cpus)
 
+    def device(self, requested: str) -> str:
+        return resolve_device(requested)  # the device the job decides on; its groups still run on the CPU
+
     def group(self, *args, **kwargs) -> Any:
         group = super().group(*args, **kwargs)
         self.record["groups"].append(group)

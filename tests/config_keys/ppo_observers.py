@@ -51,11 +51,12 @@ def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
     def build():
         c = _ppo_setup(cfg, stage)
         p = c.p
+        device = c.cluster.device(p.actor.strategy.device)  # as start() decides it, once the cluster is up
         engines = engine_kwargs(
             p.rollout,
             p.actor.model,
             p.actor.strategy.precision,
-            c.device,
+            device,
             p.train.seed,
             p.data.max_len,
             enable_sleep=p.rollout.enable_sleep,
@@ -68,7 +69,7 @@ def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
             "stats": c.rewards.stats,
             "gold": getattr(c.held_out.gold, "__name__", None),
             "kl_coef": c.kl_ctl.value,
-            "device": c.device,
+            "device": device,
             "vocab": len(c.tokenizer),
             "engine_kwargs": engines,
             "paths": c.paths,

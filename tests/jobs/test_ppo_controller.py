@@ -160,7 +160,7 @@ class StartOrder(LocalCluster):
     sleep and loads the first role (where the record ends)."""
 
     def __init__(self):
-        super().__init__(resources={"CPU": math.inf, "GPU": 8.0}, device="cpu")
+        super().__init__(resources={"CPU": math.inf, "GPU": 8.0}, device="cuda")
         self.events = []
 
     def engines(self, count, model_path, **kwargs):
@@ -197,7 +197,7 @@ def test_sleeping_engines_are_up_and_asleep_before_any_role_loads_its_model(tmp_
     # The hybrid engine on GPUs (the 1-GPU preset's layout): vLLM measures the free GPU memory while it starts, so the
     # roles sharing its GPUs load only once it is up and asleep.
     hybrid = ("ppo.rollout.backend=vllm", "ppo.rollout.enable_sleep=true", "ppo.placement.colocate_all=true")
-    events = start_order(tmp_path, *hybrid, "ppo.actor.strategy.device=cuda")
+    events = start_order(tmp_path, *hybrid)
     assert events == ["engines start", "engines ready", "engines asleep", "PolicyActor loads"]
     # Engines that never sleep start beside the roles, as before: their start-up overlaps the roles' set-up.
     assert start_order(tmp_path) == ["engines start", "PolicyActor loads"]
