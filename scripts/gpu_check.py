@@ -7,7 +7,8 @@ Each check prints one JSON line (``{"check": ..., "ok": ..., ...}``); the last l
 - ``train_actor`` / ``train_critic``: a ZeRO-3 training step of ``PolicyActor`` / ``CriticActor`` (gradient
   checkpointing on) on a Qwen2-0.5B-shaped model built from config in this file (no download): the rollout forward
   (old log-probs / values) then ``fit``. tokens/s counts every token of prompt + response through forward and
-  backward. MFU = 6 * N * tokens / seconds / peak, with N the parameter count (tied embeddings counted once), 6 * N
+  backward. MFU = 6 * N * tokens / seconds / peak, with N the parameters that do matmuls (every ``nn.Linear``
+  weight: the layers' projections, the actor's LM head, the critic's value head; not the embedding lookup), 6 * N
   the forward + backward FLOPs per token of a dense transformer (attention's O(T^2) term and the recomputation of
   gradient checkpointing left out, as is usual), and peak = 989 TFLOP/s, the H200 (= H100 SXM) bf16 dense peak.
 - ``zero_init``: the same model constructed under ``deepspeed.zero.Init``: torch.cuda.max_memory_allocated during
@@ -121,6 +122,15 @@ def n_params(model: torch.nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
 
 
+def matmul_params(model: torch.nn.Module) -> int:
+    """The weights of the ``nn.Linear`` modules: what the 6 * N FLOPs per token count. An embedding is a lookup, not
+    a matmul; a tied LM head multiplies by the embedding's weight, so it counts once, as a Linear. The critic has no
+    LM head, only its one-output value head."""
+    return sum(
+        int(getattr(m.weight, "ds_numel", m.weight.numel())) for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
+
+
 # -- the roles, with their model built from this file's config ------------------------------------------------------
 def make_roles(spec: dict[str, Any]) -> tuple[type, type]:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -138,6 +148,7 @@ def make_roles(spec: dict[str, Any]) -> tuple[type, type]:
             model = self.from_config(model_config(spec, attn, pad_token_id=tokenizer.pad_token_id), dtype)
             self.construction = {
                 "params": n_params(model),
+                "params_matmul": matmul_params(model),
                 "construct_s": round(time.perf_counter() - start, 2),
                 "construct_peak_bytes": peak_since(device, base),
                 "built_partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
@@ -237,7 +248,7 @@ def check_train(role_name: str, role_cls: type, plan: dict[str, Any], device: st
     stats = role.fit(exp, step=plan["steps"] + 1)  # training goes on from the reloaded states
     losses.append(next(v for k, v in stats.items() if k.endswith("loss")))
     tokens = seq.size * seq.input_ids.shape[1]
-    n = role.construction["params"]
+    n = role.construction["params_matmul"]
     step_s = min(seconds)
     tokens_per_s = tokens / step_s
     finite = all(torch.isfinite(torch.tensor(losses)).tolist())
@@ -253,7 +264,7 @@ def check_train(role_name: str, role_cls: type, plan: dict[str, Any], device: st
         "step_s": round(step_s, 4),
         "tokens_per_s": round(tokens_per_s, 1),
         "rollout_forward_tokens_per_s": round(tokens / forward_s[0], 1),
-        "flops_formula": "6*N*tokens",
+        "flops_formula": "6*N_matmul*tokens",
         "mfu": round(6 * n * tokens_per_s / H200_BF16_DENSE_PEAK, 4) if device == "cuda" else None,
         "peak_tflops_assumed": H200_BF16_DENSE_PEAK / 1e12,
         "loss": losses[-1],

@@ -34,13 +34,20 @@ def test_dry_run_reports_every_check_and_passes():
     assert summary["skipped"] == ["attention_flash_attention_2"]
     for role in ("actor", "critic"):
         r = by_check[f"train_{role}"]
-        assert r["zero_stage"] == 3 and r["device"] == "cpu" and r["flops_formula"] == "6*N*tokens"
+        assert r["zero_stage"] == 3 and r["device"] == "cpu" and r["flops_formula"] == "6*N_matmul*tokens"
         assert r["tokens_per_step"] == 4 * 48 and r["tokens_per_s"] > 0 and r["params"] > 100_000
         assert r["mfu"] is None  # no peak to compare with on CPU
         # placement.offload_states_during_rollout's round trip on a ZeRO-3 engine with torch's AdamW (DeepSpeed's own
         # offload_states refuses its master weights and Adam states unless the optimizer is FusedAdam): the fp32
         # master partitions and both Adam moments come back bit for bit, and training goes on from them
         assert r["offload_round_trip_ok"] is True and r["offload_state_bytes"] == 3 * 4 * r["params"]
+    # MFU's N: the matmul weights. The tiny spec (vocab 512, hidden 64, 2 layers, tied embeddings): left out are the
+    # 5 norms' weights (5 x 64) and the q/k/v biases (2 x 128), and for the critic also the 512 x 64 embedding, which
+    # the actor counts once, as its LM head's weight; the critic has a 64 x 1 value head instead
+    actor, critic = by_check["train_actor"], by_check["train_critic"]
+    assert actor["params"] - actor["params_matmul"] == 5 * 64 + 2 * 128
+    assert critic["params"] - critic["params_matmul"] == 512 * 64 + 5 * 64 + 2 * 128
+    assert actor["params_matmul"] - critic["params_matmul"] == 512 * 64 - 64
     z = by_check["zero_init"]
     assert z["partition_bytes"] == z["full_model_bytes"] == z["shard_bytes"] and z["partition_dtypes"] == ["float32"]
     ipc = by_check["weight_ipc"]
