@@ -43,7 +43,7 @@ def _table(rows: list[tuple[str, str, str]]) -> list[str]:
     out = ["| key | default | meaning |", "|---|---|---|"]
     for key, default, help_text in rows:
         default = _YAML.get(default, default)
-        shown = default if default == "(required)" else f"`{default.replace('|', chr(92) + '|')}`"
+        shown = default if default == "(required)" else "`" + default.replace("|", "\\|") + "`"
         out.append(f"| `{key}` | {shown} | {_cell(help_text)} |")
     return out
 

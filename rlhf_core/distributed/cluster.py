@@ -173,7 +173,7 @@ class RayCluster:
         return launcher.cluster_resources()
 
     def device(self, requested: str) -> str:
-        return resolve_device(requested, self.resources().get("GPU", 0.0))
+        return launcher.cluster_device(requested)
 
     def nodes(self) -> list[dict[str, float]]:
         return launcher.node_resources()

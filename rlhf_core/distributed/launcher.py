@@ -215,7 +215,7 @@ class RayWorkerGroup(Generic[T]):
 
         check_constructor(factory, args, kwargs)
         self.cls: type[T] = factory
-        device = resolve_device(cfg.device, ray.cluster_resources().get("GPU", 0.0))  # the workers' GPUs decide
+        device = cluster_device(cfg.device)
         gpus = share if device == "cuda" else 0
         remote_shell = ray.remote(_Shell)
         base_env = {"RLHF_DEVICE": device, "TOKENIZERS_PARALLELISM": "false"}
@@ -365,6 +365,12 @@ def cluster_resources() -> dict[str, float]:
     import ray
 
     return cast(dict[str, float], ray.cluster_resources())  # inferred from Ray as int; the amounts are floats
+
+
+def cluster_device(requested: str) -> str:
+    """``requested`` (``auto``, ``cpu``, ``cuda``) on this Ray cluster: its workers' GPUs decide ``auto``, not the
+    driver's."""
+    return resolve_device(requested, cluster_resources().get("GPU", 0.0))
 
 
 def node_resources() -> list[dict[str, float]]:

@@ -564,15 +564,14 @@ class PPOController:
             if self.train_actor:
                 self.push_weights()  # the engines start from the initial policy: give them the checkpointed one
         resumed_from = state["step"]
+        eval_before_s = 0.0  # the evaluation before training, within the start-up (none on a resume: it is saved)
         with self.engines_awake():
             engine_lp_start, _ = self.probe_logprobs()
-        eval_before_s = 0.0  # the evaluation before training, within the start-up (none on a resume: it is saved)
-        if state["before"] is None:
-            t0 = time.perf_counter()
-            with self.engines_awake():
+            if state["before"] is None:
+                t0 = time.perf_counter()
                 state["before"] = self.evaluate()
-            eval_before_s = time.perf_counter() - t0
-            print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
+                eval_before_s = time.perf_counter() - t0
+                print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
 
         fail_after = common.fail_after_step()
         startup_s = timing.since_job_start()
@@ -640,6 +639,8 @@ class PPOController:
 
         with self.engines_awake():
             after = self.evaluate()
+            # Proof of the weight sync: the engines now compute what the trained actor computes.
+            probes = (*self.probe_logprobs(), engine_lp_start)
         print(f"[{stage}] after: {_fmt(after)}", flush=True)
         metrics: dict[str, Any] = {
             "steps": self.steps,
@@ -647,9 +648,6 @@ class PPOController:
             "startup_s": startup_s,
             "eval_before_s": eval_before_s,
         }
-        # Proof of the weight sync: the engines now compute what the trained actor computes.
-        with self.engines_awake():
-            probes = (*self.probe_logprobs(), engine_lp_start)
         metrics.update(summary_metrics(state["history"], state["before"], after, probes))
         self.history = state["history"]
         return metrics

@@ -176,26 +176,27 @@ def test_role_and_trainer_forwards_take_the_batch_to_device_path(tmp_path):
     print({role: len(marks) for role, marks in seen.items()})
 
 
-@pytest.mark.slow  # a Ray of its own, in a process of its own
-def test_auto_is_decided_by_the_clusters_gpus_not_the_drivers():
+@pytest.mark.slow  # a Ray of its own that declares GPUs, in a process of its own; and the session's Ray
+def test_auto_is_decided_by_the_clusters_gpus_not_the_drivers(ray_cluster):
     """A driver that sees no GPU (this machine; on a real cluster a Prefect worker container or a CPU head node)
     resolves ``auto`` to cuda on a Ray cluster that has GPUs, where the engines take them; to cpu on one without."""
     import subprocess
     import sys
 
+    from rlhf_core.distributed.cluster import RayCluster
+
     code = (
         "import ray, torch\n"
         "from rlhf_core.distributed.cluster import RayCluster\n"
         "from rlhf_core.distributed.device import resolve_device\n"
-        "ray.init(num_cpus=1, num_gpus={gpus}, include_dashboard=False, log_to_driver=False)\n"
+        "ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False)\n"
         "c = RayCluster()\n"
         "print(torch.cuda.is_available(), resolve_device('auto'), c.device('auto'), c.device('cpu'))\n"
         "ray.shutdown()\n"
     )
-    seen = {}
-    for gpus in (2, 0):
-        out = subprocess.run(
-            [sys.executable, "-c", code.format(gpus=gpus)], capture_output=True, text=True, timeout=120, check=True
-        )
-        seen[gpus] = out.stdout.split()[-4:]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    seen = {2: out.stdout.split()[-4:]}
+    session = RayCluster()  # the test session's Ray: 8 CPUs, no GPU
+    seen[0] = [str(x) for x in (torch.cuda.is_available(), device.resolve_device("auto"))]
+    seen[0] += [session.device("auto"), session.device("cpu")]
     assert seen == {2: ["False", "cpu", "cuda", "cpu"], 0: ["False", "cpu", "cpu", "cpu"]}
