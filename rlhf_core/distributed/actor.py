@@ -161,7 +161,7 @@ class PolicyActor(TrainableRole):
         named = self._named_full_params(bucket_plan(specs, self.bucket_bytes))
         rank = self.strategy.rank
         if rank != 0:
-            if self.sender is not None:  # cuda_ipc: this rank serves the engine worker on its GPU
+            if self.sender is not None:  # cuda_ipc: this rank serves the engine workers on its GPU
                 self.sender.send_weights(named, specs, self.bucket_bytes)
             else:
                 for _ in named:  # take part in each gather

@@ -22,7 +22,7 @@ from rlhf_core.distributed.weight_sync.buckets import (
 )
 from rlhf_core.distributed.weight_sync.receiver import WeightSyncAborted, make_receiver_transport, receive_into_module
 from rlhf_core.distributed.weight_sync.sender import WeightSender, connect_rank
-from rlhf_core.distributed.weight_sync.transports import resolve_backend
+from rlhf_core.distributed.weight_sync.transports import ipc_pairs, resolve_backend
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.ports import free_port
 from tests.distributed.test_rollout_engine import failing, perturbed
@@ -104,16 +104,116 @@ def test_buckets_are_torch_only():
 
 
 def test_connect_rank_with_cuda_ipc_checks_the_ranks_before_any_transport():
-    """cuda_ipc: rank 0 tells the others the store and the world (1 + engine workers); a rank without a worker on
-    its GPU sends nothing, and more engine workers than actor ranks is refused (colocate_all puts each on one)."""
+    """cuda_ipc: rank 0 tells the others the store and the world (1 + engine workers); more engine workers than actor
+    ranks is refused before any transport (colocate_all puts each on an actor rank's GPU). gloo/nccl: only rank 0
+    sends."""
 
     def told(world):
         return lambda where: ("127.0.0.1", 1, world)
 
-    assert connect_rank(None, 1, 2, told(2), backend="cuda_ipc", bucket_mb=1) is None  # 1 worker: rank 0 serves it
     with pytest.raises(ValueError, match="3 engine workers but 2 actor ranks"):
         connect_rank(None, 1, 2, told(4), backend="cuda_ipc", bucket_mb=1)
-    assert connect_rank(None, 1, 2, told(4), backend="gloo", bucket_mb=1) is None  # gloo/nccl: rank 0 sends alone
+    assert connect_rank(None, 1, 2, told(4), backend="gloo", bucket_mb=1) is None
+
+
+def test_cuda_ipc_pairs_ranks_and_workers_by_gpu_not_by_rank_order():
+    # Ray gave actor rank 0 GPU "b" and rank 1 GPU "a"; vLLM's executor gave worker 1 the smallest GPU ("a") and
+    # worker 2 the next ("b"). Rank order would pair rank 0 with worker 1, on another GPU; by UUID rank 0 serves 2.
+    assert ipc_pairs({0: "b", 1: "a"}, {1: "a", 2: "b"}) == {0: [2], 1: [1]}
+    # 4 actor ranks, one engine of 2 workers on GPUs c and a: ranks 1 and 3 send nothing.
+    assert ipc_pairs({0: "a", 1: "b", 2: "c", 3: "d"}, {1: "c", 2: "a"}) == {0: [2], 1: [], 2: [1], 3: []}
+    assert ipc_pairs({0: "a"}, {1: "a", 2: "a"}) == {0: [1, 2]}  # two engines on one GPU: one sender, both read
+    with pytest.raises(RuntimeError, match=r"engine worker 2 is on GPU z, where no actor rank is .*\['a', 'b'\]"):
+        ipc_pairs({0: "a", 1: "b"}, {1: "a", 2: "z"})
+    with pytest.raises(RuntimeError, match=r"actor ranks \[0, 1\] share GPU a"):
+        ipc_pairs({0: "a", 1: "a"}, {1: "a"})
+
+
+def test_cuda_ipc_protocol_routes_each_gpus_buckets_to_the_worker_on_that_gpu(monkeypatch):
+    """The cuda_ipc store protocol for real (TCPStore, announcements, pairing, keys, acknowledgements, two syncs in
+    several buckets), in threads of this process with the three CUDA calls replaced: each thread's "GPU" is its name,
+    and a handle is the pickled buffer. Actor rank 0 is on GPU b and rank 1 on GPU a, worker 1 on a and worker 2 on b,
+    and each rank sends weights of its own, so each worker must end with the weights of the rank on its GPU."""
+    from rlhf_core.distributed.weight_sync import transports
+
+    monkeypatch.setattr(transports, "_local_gpu", lambda: (torch.device("cpu"), threading.current_thread().name))
+    monkeypatch.setattr(transports, "ipc_handle", lambda buffer: buffer.clone())
+    monkeypatch.setattr(transports, "open_ipc_handle", lambda handle: handle)
+    port, world = free_port(), 3
+    weights = {0: torch.arange(40.0).reshape(8, 5), 1: -torch.arange(40.0).reshape(8, 5)}
+    specs = [spec_of("weight", weights[0][:, :2]), spec_of("bias", weights[0][:, 2])]
+    bucket = 40  # 64 + 32 bytes of tensors: one per bucket, two buckets
+    assert len(bucket_plan(specs, bucket)) == 2
+    got: dict[str, list] = {}
+    errors: list[BaseException] = []
+    senders = []  # kept alive to the end: rank 0's hosts the store, as it does in its actor process
+
+    def worker(rank: int) -> None:
+        try:
+            transport = make_receiver_transport("127.0.0.1", port, rank, world, "ipc", 30, "cuda_ipc")
+            module = torch.nn.Linear(2, 8)
+            for sync_id in (0, 1):
+                receive_into_module(transport, specs, module, bucket, sync_id)
+                got.setdefault(threading.current_thread().name, []).append(
+                    torch.cat([module.weight, module.bias[:, None]], 1).detach().clone()
+                )
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            errors.append(e)
+
+    def actor(rank: int) -> None:
+        try:
+            sender = WeightSender(
+                "127.0.0.1",
+                port,
+                world,
+                "ipc",
+                30,
+                "cuda_ipc",
+                bucket_bytes=bucket,
+                actor_rank=rank,
+                actor_world_size=2,
+            )
+            senders.append(sender)
+            assert sender.check_peer()
+            for step in (0, 1):
+                w = weights[rank] + 100 * step
+                sender.send_weights([("weight", w[:, :2].contiguous()), ("bias", w[:, 2].contiguous())], specs)
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=actor, args=(0,), name="b"),
+        threading.Thread(target=actor, args=(1,), name="a"),
+        threading.Thread(target=worker, args=(1,), name="a"),
+        threading.Thread(target=worker, args=(2,), name="b"),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for gpu, rank in (("b", 0), ("a", 1)):
+        assert len(got[gpu]) == 2
+        for step in (0, 1):
+            assert torch.equal(got[gpu][step], weights[rank][:, :3] + 100 * step)
+
+
+def test_cuda_ipc_refuses_a_worker_on_a_gpu_without_an_actor_rank(monkeypatch):
+    from rlhf_core.distributed.weight_sync import transports
+
+    monkeypatch.setattr(transports, "_local_gpu", lambda: (torch.device("cpu"), threading.current_thread().name))
+    port = free_port()
+    out: dict[str, object] = {}
+
+    def worker() -> None:
+        out["worker"] = make_receiver_transport("127.0.0.1", port, 1, 2, "ipc", 30, "cuda_ipc")
+
+    joiner = threading.Thread(target=worker, name="GPU-other")
+    sender = WeightSender("127.0.0.1", port, 2, "ipc", 30, "cuda_ipc", bucket_bytes=MIB)
+    joiner.start()
+    joiner.join(timeout=30)
+    with pytest.raises(RuntimeError, match="engine worker 1 is on GPU GPU-other, where no actor rank is"):
+        sender.check_peer()
 
 
 def test_resolve_backend():

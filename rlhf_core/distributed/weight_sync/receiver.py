@@ -37,9 +37,7 @@ def make_receiver_transport(
     """The receiver's end of ``backend`` as rank ``rank`` (>= 1) of the weight-sync world. Blocks (gloo/nccl) until
     all ranks have joined."""
     if backend == "cuda_ipc":
-        transport = CudaIpc(master_addr, master_port, False, world_size, group_name, timeout_s, peer=rank)
-        transport.announce_gpu()
-        return transport
+        return CudaIpc(master_addr, master_port, False, group_name, timeout_s, sender=False, rank=rank)
     return Collective(master_addr, master_port, rank, world_size, group_name, timeout_s, backend)
 
 

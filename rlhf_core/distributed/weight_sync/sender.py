@@ -45,8 +45,8 @@ class WeightSender:
     receivers must be told to join first, without waiting for them (``RolloutEngine.init_weight_sync``), then the
     sender is built, then the receivers' results are awaited: ``connect_weight_sync`` does that.
 
-    With cuda_ipc: one sender per actor rank ``actor_rank`` that shares its GPU with an engine worker (worker rank
-    ``actor_rank + 1``); rank 0 hosts the store.
+    With cuda_ipc: one sender per actor rank ``actor_rank`` (of ``actor_world_size``); rank 0 hosts the store.
+    ``check_peer`` then finds the engine workers on this rank's GPU, by UUID (``transports.ipc_pairs``).
 
     After each ``send_weights``: ``last_sync_s``, ``last_sync_buckets``, ``last_sync_broadcasts`` (transfers made, one
     per bucket) and ``last_sync_bytes``."""
@@ -61,6 +61,7 @@ class WeightSender:
         backend: str = "gloo",
         bucket_bytes: int = 1024 * MIB,
         actor_rank: int = 0,
+        actor_world_size: int = 1,
     ):
         if world_size < 2:
             raise ValueError(f"world_size must count the sender and at least one receiver, got {world_size}")
@@ -71,11 +72,10 @@ class WeightSender:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.sync_id = 0
+        self.actor_world_size = actor_world_size
         if backend == "cuda_ipc":
-            if actor_rank + 1 >= world_size:
-                raise ValueError(f"actor rank {actor_rank} has no engine worker on its GPU (world {world_size})")
             self._transport: Any = CudaIpc(
-                master_addr, master_port, actor_rank == 0, world_size, group_name, timeout_s, peer=actor_rank + 1
+                master_addr, master_port, actor_rank == 0, group_name, timeout_s, sender=True, rank=actor_rank
             )
         else:
             if actor_rank != 0:
@@ -86,10 +86,13 @@ class WeightSender:
         self.last_sync_broadcasts = 0
         self.last_sync_bytes = 0
 
-    def check_peer(self) -> None:
-        """cuda_ipc: the worker this rank serves is on this rank's GPU (after the workers have joined)."""
+    def check_peer(self) -> bool:
+        """Whether this sender serves any engine worker, once every worker has joined. cuda_ipc: pairs this rank with
+        the workers on its GPU (every actor rank must have announced its GPU too), and refuses a worker on a GPU
+        without an actor rank. gloo/nccl: rank 0 serves every worker."""
         if isinstance(self._transport, CudaIpc):
-            self._transport.check_same_gpu()
+            return bool(self._transport.pair(self.actor_world_size, self.world_size))
+        return True
 
     def send_weights(
         self,
@@ -177,13 +180,15 @@ def connect_weight_sync(
     master_port: int | None = None,
     group_name: str = "weight_sync",
     timeout_s: float = 600,
+    actor_world_size: int = 1,
 ) -> WeightSender:
     """Build the weight-sync group between this process (rank 0) and every worker of ``engines``, over ``backend``
     (gloo, nccl or cuda_ipc; see ``transports``), sending buckets of ``bucket_mb`` MiB.
 
     Order matters: the group's construction blocks every rank until all have joined, so the engines are told to
     join without waiting for them, then this process joins, then the engines' answers are collected. With cuda_ipc
-    this process serves worker 1 only; the actor ranks 1.. build their own senders (``connect_rank``).
+    this process is actor rank 0 of ``actor_world_size`` and serves the workers on its GPU; the other actor ranks
+    build their own senders (``connect_rank``).
     """
     import ray
 
@@ -208,7 +213,14 @@ def connect_weight_sync(
     ]
     try:
         sender = WeightSender(
-            master_addr, master_port, world_size, group_name, timeout_s, backend, bucket_bytes=int(bucket_mb * MIB)
+            master_addr,
+            master_port,
+            world_size,
+            group_name,
+            timeout_s,
+            backend,
+            bucket_bytes=int(bucket_mb * MIB),
+            actor_world_size=actor_world_size,
         )
         engines.get(joins)
         sender.check_peer()
@@ -229,9 +241,10 @@ def connect_rank(
 ) -> WeightSender | None:
     """Actor rank ``rank`` (of ``world_size``) joins the weight sync with every engine worker over ``backend``
     (already resolved: gloo, nccl or cuda_ipc) in buckets of ``bucket_mb`` MiB; returns its sender, or None for a rank
-    that does not send. gloo/nccl: rank 0 sends, the other ranks only help gather. cuda_ipc: each rank with an engine
-    worker on its GPU sends to it (rank r to worker r + 1); rank 0 picks the store's address and tells the others
-    through ``broadcast_object`` (a collective over the actor ranks: every rank calls this)."""
+    that does not send. gloo/nccl: rank 0 sends, the other ranks only help gather. cuda_ipc: every rank announces its
+    GPU, and each rank with engine workers on its GPU sends to them (paired by GPU UUID); rank 0 picks the store's
+    address and tells the others through ``broadcast_object`` (a collective over the actor ranks: every rank calls
+    this)."""
     if backend != "cuda_ipc":
         return connect_weight_sync(engines, backend=backend, bucket_mb=bucket_mb) if rank == 0 else None
     import ray
@@ -247,11 +260,27 @@ def connect_rank(
             "the actor rank on its GPU (colocate_all)"
         )
     if rank == 0:
-        return connect_weight_sync(engines, backend=backend, bucket_mb=bucket_mb, master_addr=addr, master_port=port)
-    if rank >= sync_world - 1:
-        return None
-    sender = WeightSender(addr, port, sync_world, backend=backend, bucket_bytes=int(bucket_mb * MIB), actor_rank=rank)
-    sender.check_peer()
+        sender = connect_weight_sync(
+            engines,
+            backend=backend,
+            bucket_mb=bucket_mb,
+            master_addr=addr,
+            master_port=port,
+            actor_world_size=world_size,
+        )
+    else:
+        sender = WeightSender(
+            addr,
+            port,
+            sync_world,
+            backend=backend,
+            bucket_bytes=int(bucket_mb * MIB),
+            actor_rank=rank,
+            actor_world_size=world_size,
+        )
+        if not sender.check_peer():
+            sender.close()
+            return None
     return sender
 
 

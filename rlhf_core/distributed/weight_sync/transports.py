@@ -7,13 +7,17 @@
   the transport the tests run.
 - ``nccl``: the same group as a ``ProcessGroupNCCL`` over the same kind of store, buffers on each process's current
   CUDA device. UNVERIFIED: written from torch's API (no GPU here).
-- ``cuda_ipc``: for engines on the trainer's GPUs (colocate_all). No collective: actor rank ``r`` packs each bucket
-  on its GPU and publishes a CUDA IPC handle of the buffer (``ipc_handle``, torch's ``reduce_tensor``) in the
-  TCPStore under a key for the worker on its GPU (worker rank ``r + 1``); the worker opens it (``open_ipc_handle``),
-  copies it into its own memory, acknowledges through the store, and unpacks. The handles travel through the store
-  rather than one Ray call per bucket so that each worker keeps one lazy stream into one ``reload_weights`` call,
-  the same as with the collectives. At connect time each side checks that both are on the same GPU (by UUID).
-  UNVERIFIED: written from torch's API (no GPU here).
+- ``cuda_ipc``: for engines on the trainer's GPUs (colocate_all). No collective: the processes meet in a TCPStore
+  hosted by actor rank 0, and each announces the UUID of its GPU. An actor rank serves the engine workers on its own
+  GPU (``ipc_pairs``): it packs each bucket on its GPU and publishes a CUDA IPC handle of the buffer (``ipc_handle``,
+  torch's ``reduce_tensor``) under a key named by that GPU's UUID; each worker reads the key of its own GPU, opens it
+  (``open_ipc_handle``), copies it into its own memory, and acknowledges through the store. Pairing by UUID, as
+  vLLM's own IPC weight transfer and OpenRLHF do, rather than "actor rank r serves worker r + 1": Ray decides which
+  GPU an actor's bundle gets, and vLLM's Ray executor gives its k-th worker the k-th smallest GPU of the engine's
+  bundles, so the two orders need not agree. The handles travel through the store rather than one Ray call per
+  bucket so that each worker keeps one lazy stream into one ``reload_weights`` call, the same as with the
+  collectives. UNVERIFIED on a GPU here: the store protocol and the pairing are tested on CPU with the CUDA calls
+  replaced.
 
 torch only; ``ipc_handle`` and ``open_ipc_handle`` need neither Ray nor vLLM.
 """
@@ -65,8 +69,42 @@ def open_ipc_handle(handle: tuple[Any, tuple], device: int | None = None) -> tor
     return rebuild(*args)
 
 
-def _gpu_uuid() -> str:
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+def _local_gpu() -> tuple[torch.device, str]:
+    """This process's current CUDA device and its UUID; refuses a process that sees no GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("weight sync backend 'cuda_ipc' needs CUDA, and this process sees no GPU: use gloo")
+    index = torch.cuda.current_device()
+    return torch.device("cuda", index), str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _private_copy(shared: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of an opened handle, copied into this process's own memory and finished."""
+    local = shared[:nbytes].clone()
+    if local.is_cuda:
+        torch.cuda.current_stream(local.device).synchronize()
+    return local
+
+
+def ipc_pairs(actor_gpus: dict[int, str], worker_gpus: dict[int, str]) -> dict[int, list[int]]:
+    """cuda_ipc's pairing: for each actor rank, the engine workers on its GPU (both given as rank -> GPU UUID).
+    Every worker needs an actor rank on its GPU, and a GPU with workers needs exactly one actor rank (two would
+    publish under the same key)."""
+    by_gpu: dict[str, list[int]] = {}
+    for rank, gpu in sorted(actor_gpus.items()):
+        by_gpu.setdefault(gpu, []).append(rank)
+    pairs: dict[int, list[int]] = {rank: [] for rank in actor_gpus}
+    for worker, gpu in sorted(worker_gpus.items()):
+        ranks = by_gpu.get(gpu, [])
+        if not ranks:
+            raise RuntimeError(
+                f"cuda_ipc weight sync: engine worker {worker} is on GPU {gpu}, where no actor rank is "
+                f"(actor ranks' GPUs: {sorted(by_gpu)}); cuda_ipc needs each engine worker on an actor rank's GPU "
+                "(placement.colocate_all), else use nccl"
+            )
+        if len(ranks) > 1:
+            raise RuntimeError(f"cuda_ipc weight sync: actor ranks {ranks} share GPU {gpu}; each needs its own GPU")
+        pairs[ranks[0]].append(worker)
+    return pairs
 
 
 def _make_store(master_addr: str, master_port: int, is_master: bool, world_size: int | None, timeout_s: float) -> Any:
@@ -146,52 +184,57 @@ class Collective:
 
 
 class CudaIpc:
-    """cuda_ipc: handles and acknowledgements through the TCPStore hosted by actor rank 0. ``peer``: the worker
-    rank this actor rank serves (sender) or this worker's rank (receiver). UNVERIFIED here (no GPU)."""
+    """cuda_ipc: handles and acknowledgements through the TCPStore hosted by actor rank 0 (``is_master``). A sender
+    is actor rank ``rank``, a receiver is engine worker ``rank`` of the weight-sync world (1..N); each announces its
+    GPU's UUID at construction. A sender learns the workers it serves with ``pair``. UNVERIFIED on a GPU here."""
 
     def __init__(
         self,
         master_addr: str,
         master_port: int,
         is_master: bool,
-        world_size: int,
         group_name: str,
         timeout_s: float,
-        peer: int,
+        *,
+        sender: bool,
+        rank: int,
     ):
-        if not torch.cuda.is_available():
-            raise RuntimeError("weight sync backend 'cuda_ipc' needs CUDA, and this process sees no GPU: use gloo")
         from torch.distributed import PrefixStore
 
         self.backend = "cuda_ipc"
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device, self.gpu = _local_gpu()
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # world_size None: the store's clients are the workers and the other actor ranks, more than world_size
         self._tcp = _make_store(master_addr, master_port, is_master, None, timeout_s)
         self.store = PrefixStore(f"{group_name}/", self._tcp)
-        self.peer = peer
+        self.rank = rank
+        self.peers: list[int] = []  # a sender's workers, set by pair()
+        self.store.set(f"gpu/{'actor' if sender else 'worker'}/{rank}", self.gpu)
+
+    def _gpus(self, side: str, ranks: range) -> dict[int, str]:
+        keys = [f"gpu/{side}/{r}" for r in ranks]
+        self.store.wait(keys, self.timeout)
+        return {r: self.store.get(k).decode() for r, k in zip(ranks, keys)}
+
+    def pair(self, actor_world_size: int, sync_world_size: int) -> list[int]:
+        """Sender: wait until the ``actor_world_size`` actor ranks and the ``sync_world_size - 1`` workers have
+        announced their GPUs, and keep the workers on this rank's GPU (``ipc_pairs``; every rank computes the same
+        pairing from the same announcements, so a bad placement fails on every rank alike)."""
+        actors = self._gpus("actor", range(actor_world_size))
+        workers = self._gpus("worker", range(1, sync_world_size))
+        self.peers = ipc_pairs(actors, workers)[self.rank]
+        return self.peers
 
     def _key(self, sync_id: int, index: int) -> str:
-        return f"bucket/{sync_id}/{index}/{self.peer}"
-
-    def announce_gpu(self) -> None:
-        self.store.set(f"gpu/{self.peer}", _gpu_uuid())
-
-    def check_same_gpu(self) -> None:
-        self.store.wait([f"gpu/{self.peer}"], self.timeout)
-        theirs, mine = self.store.get(f"gpu/{self.peer}").decode(), _gpu_uuid()
-        if theirs != mine:
-            raise RuntimeError(
-                f"cuda_ipc weight sync: engine worker {self.peer} is on GPU {theirs}, its actor rank on {mine}; "
-                "cuda_ipc needs each engine worker on its actor rank's GPU (colocate_all), else use nccl"
-            )
+        return f"bucket/{sync_id}/{index}/{self.gpu}"
 
     def send(self, buffer: torch.Tensor, sync_id: int, index: int) -> None:
         key = self._key(sync_id, index)
+        acks = [f"{key}/ack/{w}" for w in self.peers]
         self.store.set(key, pickle.dumps(ipc_handle(buffer)))
-        self.store.wait([key + "/ack"], self.timeout)  # the buffer is reused for the next bucket only after this
-        self.store.delete_key(key)
-        self.store.delete_key(key + "/ack")
+        self.store.wait(acks, self.timeout)  # the buffer is reused for the next bucket only after this
+        for k in (key, *acks):
+            self.store.delete_key(k)
 
     def recv(self, nbytes: int, sync_id: int, index: int) -> torch.Tensor:
         key = self._key(sync_id, index)
@@ -199,8 +242,7 @@ class CudaIpc:
         shared = open_ipc_handle(pickle.loads(self.store.get(key)))
         # A copy of our own: vLLM's layer-wise reload may keep views until a layer is complete, while the sender
         # reuses its buffer after the acknowledgement.
-        local = shared[:nbytes].clone()
-        torch.cuda.current_stream().synchronize()
+        local = _private_copy(shared, nbytes)
         del shared
-        self.store.set(key + "/ack", b"1")
+        self.store.set(f"{key}/ack/{self.rank}", b"1")
         return local
