@@ -95,6 +95,15 @@ def test_override_of_an_anchored_section_changes_only_that_stage():
     assert cfg.stage("sft").strategy.num_workers == 2 and cfg.stage("reward_model").strategy.num_workers == 1
 
 
+def test_seed_per_prompt_defaults_to_prompts_on_cpu_and_the_engine_on_gpu():
+    from rlhf_core.config.sections import RolloutConfig
+
+    assert RolloutConfig().seeds_each_prompt("cpu") is True  # exact, reproducible batches where sampling is cheap
+    assert RolloutConfig().seeds_each_prompt("cuda") is False  # vLLM's batched sampler
+    assert RolloutConfig(seed_per_prompt=True).seeds_each_prompt("cuda") is True
+    assert RolloutConfig(seed_per_prompt=False).seeds_each_prompt("cpu") is False
+
+
 def test_nccl_weight_sync_with_colocated_engines_is_refused_naming_both_keys():
     # colocate_all puts the engines on the actor's GPUs: an NCCL group of actor rank 0 and an engine worker on one GPU
     with pytest.raises(ConfigError) as e:

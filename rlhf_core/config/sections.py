@@ -244,6 +244,15 @@ class RolloutConfig:
     temperature: float = opt(1.0, "Sampling temperature.")
     top_p: float = opt(1.0, "Nucleus sampling threshold.")
     max_new_tokens: int = opt(1024, "Maximum response length.")
+    seed_per_prompt: bool | None = opt(
+        None,
+        "Seed each prompt's sampling (reproducible batches, exact resume) rather than the engine; null = per prompt "
+        "on CPU, the engine's seed on GPU, where vLLM samples seeded requests one at a time.",
+    )
+
+    def seeds_each_prompt(self, device: str) -> bool:
+        """``seed_per_prompt`` on ``device`` ("cpu" or "cuda"), null resolved."""
+        return device != "cuda" if self.seed_per_prompt is None else self.seed_per_prompt
 
     def validate(self, key: str) -> None:
         check(self.num_engines >= 1, f"{key}.num_engines", self.num_engines, "must be >= 1")

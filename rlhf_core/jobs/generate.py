@@ -183,6 +183,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
             top_p=r.top_p,
             max_new_tokens=r.max_new_tokens,
             seed=g.seed,
+            seed_per_prompt=r.seeds_each_prompt(device),
         )
         responses = engines.generate(prompt_ids, sampling)
         n = r.n_samples_per_prompt

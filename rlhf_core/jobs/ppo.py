@@ -67,6 +67,7 @@ from rlhf_core.distributed.placement import (
 from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext, TrainableRole
+from rlhf_core.distributed.rollout.engine import SamplingConfig
 from rlhf_core.jobs import common
 from rlhf_core.models.builders import load_tokenizer, stop_ids
 from rlhf_core.ppo_eval import HeldOut, summary_metrics
@@ -537,6 +538,19 @@ class PPOController:
         return state
 
     # -- fit: the loop ------------------------------------------------------------------------------------------------
+    def rollout_sampling(self, step: int) -> SamplingConfig:
+        """How step ``step`` samples its rollout: the rollout's settings, a seed of its own, and per-prompt seeds or
+        the engines' own generators (``rollout.seed_per_prompt`` on the cluster's device)."""
+        r = self.p.rollout
+        return SamplingConfig(
+            n=r.n_samples_per_prompt,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            seed=self.p.train.seed * 100_003 + step,
+            seed_per_prompt=r.seeds_each_prompt(self.device),
+        )
+
     def step_phases(self) -> list[str]:
         """The phases every step logs as ``timing/<phase>_s`` (0.0 when one did not run that step), besides
         ``timing/step_s``; ``experience_<role>``, ``critic_train`` and ``actor_train`` overlap within their phase."""
@@ -552,9 +566,7 @@ class PPOController:
         return (["offload_states"] if p.placement.offload_states_during_rollout else []) + phases
 
     def fit(self) -> dict:
-        from rlhf_core.distributed.rollout.engine import SamplingConfig
-
-        p, train, stage = self.p, self.p.train, self.stage
+        train, stage = self.p.train, self.stage
         state: dict[str, Any] = {"step": 0, "episode": 0, "consumed_prompts": 0, "history": [], "before": None}
         found = newest_checkpoint(self.store, stage, self.setup.config_hash)
         if found is not None:
@@ -584,13 +596,7 @@ class PPOController:
             indices = global_batch(len(self.prompts), train.rollout_batch_size, step, train.seed)
             prompt_ids = [self.prompts[i]["prompt_ids"] for i in indices]
             prompts = [self.prompts[i]["prompt"] for i in indices]
-            sampling = SamplingConfig(
-                n=p.rollout.n_samples_per_prompt,
-                temperature=p.rollout.temperature,
-                top_p=p.rollout.top_p,
-                max_new_tokens=p.rollout.max_new_tokens,
-                seed=train.seed * 100_003 + step,
-            )
+            sampling = self.rollout_sampling(step)
             self.move_training_states(offload=True, timer=timer)
             with timer.phase("generation"):
                 responses, engine_logprobs = self.engines.generate_with_logprobs(prompt_ids, sampling)

@@ -78,6 +78,17 @@ def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
     return outcome(build)
 
 
+def rollout_sampling(cfg: PipelineConfig, stage: str) -> Any:
+    """PPOController.rollout_sampling(0): how fit() samples step 0's rollout, on the device start() decides."""
+
+    def build():
+        c = _ppo_setup(cfg, stage)
+        c.device = c.cluster.device(c.p.actor.strategy.device)
+        return dataclasses.asdict(c.rollout_sampling(0))
+
+    return outcome(build)
+
+
 def fixed_experience(pad_id: int, eos_id: int):
     """Two hand-made rollouts (one closed by EOS, one cut without it) with fixed log-probs, values and scores."""
     from rlhf_core.algos.batching import ensure_eos, make_sequences

@@ -355,6 +355,11 @@ GENERATE_SECTION: dict[str, Probe] = {
         expect=lambda a, b: b["generate"][0]["sampling"]["temperature"] == 0.5 and _kl(a["rows"]) != _kl(b["rows"]),
     ),
     "rollout.top_p": probe("{stage}.rollout.top_p=0.5", observe=sampling_of, expect=lambda a, b: b["top_p"] == 0.5),
+    "rollout.seed_per_prompt": probe(  # null on this CPU machine: per prompt
+        "{stage}.rollout.seed_per_prompt=false",
+        observe=sampling_of,
+        expect=lambda a, b: (a["seed_per_prompt"], b["seed_per_prompt"]) == (True, False),
+    ),
     "rollout.max_new_tokens": probe(
         "{stage}.rollout.max_new_tokens=4", observe=sampling_of, expect=lambda a, b: b["max_new_tokens"] == 4
     ),

@@ -26,6 +26,7 @@ from tests.config_keys.ppo_observers import (
     role_model,
     role_workers,
     rollout_distribution,
+    rollout_sampling,
     rounded,
     sampling,
     train_phase,
@@ -465,6 +466,11 @@ def ppo_section(kind: str) -> dict[str, Probe]:
             expect=lambda a, b: a["logprobs"] != b["logprobs"] and a["evaluate"] != b["evaluate"],
         ),
         "rollout.top_p": probe("{stage}.rollout.top_p=0.5", observe=sampling, slow=True),
+        "rollout.seed_per_prompt": probe(  # null on this CPU machine: per prompt
+            "{stage}.rollout.seed_per_prompt=false",
+            observe=rollout_sampling,
+            expect=lambda a, b: (a["seed_per_prompt"], b["seed_per_prompt"]) == (True, False),
+        ),
         "rollout.max_new_tokens": probe(
             "{stage}.rollout.max_new_tokens=8", observe=ppo_controller, base=("{stage}.rollout.backend=vllm",)
         ),

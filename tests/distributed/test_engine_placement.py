@@ -96,6 +96,12 @@ def test_vllm_tp2_generates_syncs_both_workers_in_buckets_in_its_placement_group
     responses = generate(prompts, sampling)
     check_responses(responses, len(prompts), 2, 8, tok.eos_token_id)
     assert responses == generate(prompts, sampling)
+    # seeded by the engine instead (each request unseeded, vLLM's batched sampler): valid, and the engine's generator
+    # moves on, so the same batch twice differs (8 responses of 8 tokens from a random tiny model)
+    unseeded = SamplingConfig(n=2, max_new_tokens=8, seed=3, seed_per_prompt=False)
+    first, second = generate(prompts, unseeded), generate(prompts, unseeded)
+    check_responses(first, len(prompts), 2, 8, tok.eos_token_id)
+    assert first != second
     seqs = [p + r for p, r in zip([p for p in prompts for _ in range(2)], responses)][::2]
     served = max_diff(sequence_logprobs(seqs), hf_logprobs(model, seqs))
     assert served < 1e-5, served

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from rlhf_core.distributed.rollout.engine import RolloutEngine, SamplingConfig
+from rlhf_core.distributed.rollout.engine import RolloutEngine, SamplingConfig, request_seeds
 from rlhf_core.distributed.rollout.group import EngineGroup
 from rlhf_core.distributed.rollout.hf_engine import HFGenerateEngine
 from rlhf_core.distributed.weight_sync.sender import connect_weight_sync, sync_weights
@@ -111,6 +111,14 @@ def check_responses(responses, n_prompts, n, max_new, eos_id):
         assert 1 <= len(r) <= max_new
         assert eos_id not in r[:-1]  # stops at EOS, which ends the response when produced
         assert all(isinstance(t, int) for t in r)
+
+
+def test_request_seeds_per_prompt_or_none():
+    # prompt i's request is seeded seed + i * n: vLLM seeds its n samples seed + i * n + k, k < n, so none collide
+    assert request_seeds(SamplingConfig(n=2, seed=10), 3) == [10, 12, 14]
+    assert request_seeds(SamplingConfig(n=1, seed=0), 2) == [0, 1]
+    # the engine's own generator: no request seeded
+    assert request_seeds(SamplingConfig(n=2, seed=10, seed_per_prompt=False), 3) == [None, None, None]
 
 
 # make test proves vLLM generation, weight sync, abort and repair on the TP=2 engine (test_engine_placement) and in PPO

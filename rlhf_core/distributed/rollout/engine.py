@@ -16,11 +16,27 @@ from rlhf_core.distributed.weight_sync.buckets import MIB, WeightSpec
 
 @dataclass
 class SamplingConfig:
+    """``seed_per_prompt``: each prompt samples from a generator of its own, seeded from ``seed`` (a batch is
+    reproducible, whatever else the engine runs); off, the engine samples the batch from its own generator, seeded
+    when it started. vLLM draws the noise of seeded requests one request at a time, a kernel launch per request per
+    decoding step, and the whole batch at once otherwise (its ``topk_topp_sampler``). The HF engine seeds each call
+    from ``seed`` either way (it samples the batch at once)."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32
     seed: int = 0
+    seed_per_prompt: bool = True
+
+
+def request_seeds(sampling: SamplingConfig, num_prompts: int) -> list[int | None]:
+    """The seed of each prompt's request: ``seed + i * n`` for prompt ``i`` (vLLM seeds the ``n`` samples of a
+    request ``seed + k``, so no two samples of a batch share a stream); None for every prompt without
+    ``seed_per_prompt``."""
+    if not sampling.seed_per_prompt:
+        return [None] * num_prompts
+    return [sampling.seed + i * sampling.n for i in range(num_prompts)]
 
 
 class RolloutEngine(Protocol):

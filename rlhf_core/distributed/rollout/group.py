@@ -181,6 +181,8 @@ class EngineGroup:
                     group, first = placement, i * tp
                     cpus, gpu_share = num_cpus_per_engine, share
                 actor_kwargs = dict(kwargs)
+                if "seed" in kwargs:  # each engine's own generator (SamplingConfig.seed_per_prompt off) differs
+                    actor_kwargs["seed"] = kwargs["seed"] + 7919 * i
                 if backend == "vllm" and gpus and tp > 1:
                     # the actor holds no GPU; vLLM's TP workers take gpu_share of the GPU of each of its bundles
                     actor_kwargs.update(bundle_indices=list(range(first, first + tp)), gpus_per_worker=gpu_share)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rlhf_core.distributed.node_files import local_model_path
-from rlhf_core.distributed.rollout.engine import SamplingConfig, current_placement_group_id
+from rlhf_core.distributed.rollout.engine import SamplingConfig, current_placement_group_id, request_seeds
 from rlhf_core.distributed.weight_sync.buckets import MIB, WeightSpec
 from rlhf_core.distributed.weight_sync.receiver import WeightSyncAborted, WorkerWeightReceiver
 
@@ -199,8 +199,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         self._check_awake()
-        # One SamplingParams per prompt so that each prompt gets its own seeds (vLLM gives the n children of a
-        # request seed + index); a batch is then reproducible and prompts do not share random streams. vLLM refuses
+        # One SamplingParams per prompt, so that each prompt can have its own seeds (``request_seeds``). vLLM refuses
         # n > 1 with greedy sampling (temperature 0): then each prompt is sent n times with n = 1.
         copies = sampling.n if sampling.temperature <= 0 else 1
         params = [
@@ -209,11 +208,11 @@ class VLLMEngine:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
-                seed=sampling.seed + i * sampling.n,
+                seed=seed,
                 detokenize=False,
                 logprobs=0 if with_logprobs else None,  # 0: only the sampled token's log-prob
             )
-            for i in range(len(prompt_token_ids))
+            for seed in request_seeds(sampling, len(prompt_token_ids))
             for _ in range(copies)
         ]
         prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in prompt_token_ids for _ in range(copies)]
