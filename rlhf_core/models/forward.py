@@ -15,9 +15,12 @@ from the forward and are scored a chunk at a time from there.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rlhf_core.algos.losses import LOGPROB_CHUNK_ELEMENTS, chunked_token_logprobs, logprob_chunk_size
@@ -80,6 +83,7 @@ def causal_lm_logprobs(
     pack: bool = True,
     chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
     with_entropy: bool = False,
+    gather: Callable[[list[nn.Parameter]], AbstractContextManager] | None = None,
 ) -> Any:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) where ``score_mask[:, t]`` is 1, 0 elsewhere.
 
@@ -94,6 +98,10 @@ def causal_lm_logprobs(
             (positions x vocabulary; at least one position).
         with_entropy: also the entropy of each scored position's next-token distribution (the actor's entropy
             bonus), from the same chunks of logits.
+        gather: a context that makes the LM head's parameters whole (``distributed.strategy.gathered``). Given, and
+            with autograd off, the head's weight is gathered once and applied to every chunk; otherwise each chunk
+            calls the head module, which under ZeRO-3 fetches its weight each time (about 1 GiB at a 128k
+            vocabulary). With autograd on, the module is called, so that ZeRO-3's hooks see the weight's gradient.
     Returns:
         (B, T-1) float32; with ``with_entropy``, (log-probs, entropies), both (B, T-1) float32.
     """
@@ -111,7 +119,18 @@ def causal_lm_logprobs(
         head = hf.get_output_embeddings()
         hidden = _final_hidden(model, hf, **inputs)[rows, cols]
         chunk = logprob_chunk_size(head.out_features, chunk_elements)
-        scored = chunked_token_logprobs(hidden, targets, head, temperature, chunk, with_entropy=with_entropy)
+        if gather is not None and not torch.is_grad_enabled():
+            with gather(list(head.parameters())):
+                weight, bias = head.weight, head.bias
+
+                def gathered_head(h: torch.Tensor) -> torch.Tensor:
+                    return F.linear(h, weight, bias)
+
+                scored = chunked_token_logprobs(
+                    hidden, targets, gathered_head, temperature, chunk, with_entropy=with_entropy
+                )
+        else:
+            scored = chunked_token_logprobs(hidden, targets, head, temperature, chunk, with_entropy=with_entropy)
     else:
         logits = model(**inputs, use_cache=False).logits[rows, cols]
         chunk = logprob_chunk_size(logits.size(-1), chunk_elements)

@@ -74,7 +74,51 @@ def _rank_main(rank: int, port: int, queue, jobs: tuple[str, ...]) -> None:
     strategy.barrier()
 
 
+def _head_job(rank: int, strategy: DeepSpeedStrategy) -> dict:
+    """Log-probs of a frozen ZeRO-3 engine in chunks of 3 positions, with the LM head called per chunk and gathered
+    once (``gather``): how often the head module runs in each, and the largest difference between the two."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from rlhf_core.distributed.strategy import gathered
+    from rlhf_core.models.forward import causal_lm_logprobs
+
+    # a 512 x 256 head: above DeepSpeed's persistence threshold (1e5 elements), so it stays partitioned and each
+    # call of the module fetches it
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    with strategy.model_init():
+        model = init_from_config(AutoModelForCausalLM, config, seed=rank, dtype=torch.float32)
+    engine = strategy.prepare_frozen(model)
+    head = model.get_output_embeddings()
+    calls = [0]
+    head.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    ids = torch.randint(5, 512, (3, 10), generator=torch.Generator().manual_seed(rank))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    score = torch.zeros(3, 9, dtype=torch.long)
+    score[:, 2:6] = 1  # 12 scored positions: 4 chunks of 3
+    out = {"persist": bool(head.weight.ds_persist), "scored": int(score.sum())}
+    with torch.no_grad():
+        per_chunk = causal_lm_logprobs(engine, ids, mask, score, chunk_elements=3 * 512)
+        out["calls_per_chunk"], calls[0] = calls[0], 0
+        once = causal_lm_logprobs(engine, ids, mask, score, chunk_elements=3 * 512, gather=gathered)
+        out["calls_gathered"] = calls[0]
+    out["max_diff"] = (per_chunk - once).abs().max().item()
+    out["status_after"] = head.weight.ds_status.name  # released again after the gathered context
+    return out
+
+
 def _build_job(job: str, rank: int, strategy: DeepSpeedStrategy, deepspeed) -> dict | None:
+    if job == "head":
+        return _head_job(rank, strategy)
     if job == "tiny":  # the gathered weights of both builtin builders, for comparison with the plain build
         tok = load_tokenizer("builtin:tiny")
         out = {}
@@ -138,7 +182,7 @@ def _run_two_ranks(jobs: tuple[str, ...], port: int) -> list:
 def two_rank_builds() -> list[dict]:
     """Both construction jobs in one pair of rank processes (one start-up of DeepSpeed and gloo): the big model
     first, so that the peak RSS (VmHWM) it reports is its own."""
-    return _run_two_ranks(("big", "tiny"), free_port())
+    return _run_two_ranks(("big", "tiny", "head"), free_port())
 
 
 @pytest.mark.slow
@@ -181,6 +225,20 @@ def test_zero3_construction_of_a_1gb_model_stays_well_under_its_size_on_each_ran
         assert r["held_bytes"] <= 0.51 * full
         assert r["peak_delta_maxrss"] < 0.75 * full
     assert sum(r["held_bytes"] for r in results) >= full
+
+
+@pytest.mark.slow
+def test_zero3_frozen_log_probs_gather_the_lm_head_once_not_per_chunk(two_rank_builds):
+    """Without autograd, a ZeRO-3 engine's chunked log-probs apply the head gathered once: the head module runs once
+    (the forward's empty call for its last hidden state) instead of once more per chunk, and the log-probs are the
+    same."""
+    for r in two_rank_builds:
+        h = r["head"]
+        assert h["persist"] is False and h["scored"] == 12
+        assert h["calls_per_chunk"] == 1 + 4  # each a fetch of the partitioned head
+        assert h["calls_gathered"] == 1
+        assert h["max_diff"] == 0.0
+        assert h["status_after"] == "NOT_AVAILABLE"
 
 
 def _sequences(tok, rows: int):
