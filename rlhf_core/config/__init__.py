@@ -66,6 +66,7 @@ from rlhf_core.config.sections import (
     HeldOutSource,
     InferenceStrategy,
     KTOData,
+    LoraConfig,
     ModelConfig,
     OptimConfig,
     PreferenceData,
@@ -77,6 +78,7 @@ from rlhf_core.config.sections import (
     StrategyConfig,
     SyncedRolloutConfig,
     TrainConfig,
+    TrainedModelConfig,
     WorkerConfig,
 )
 from rlhf_core.config.serialise import describe, to_dict, to_yaml
@@ -100,6 +102,7 @@ __all__ = [
     "KTOConfig",
     "KTOData",
     "LoopConfig",
+    "LoraConfig",
     "MLflowConfig",
     "ModelConfig",
     "OptimConfig",
@@ -132,6 +135,7 @@ __all__ = [
     "SyncedRolloutConfig",
     "TrackingConfig",
     "TrainConfig",
+    "TrainedModelConfig",
     "ValueAlgoConfig",
     "WandbConfig",
     "WorkerConfig",

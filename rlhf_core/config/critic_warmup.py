@@ -24,7 +24,7 @@ from rlhf_core.config.rl import (
     RLTrainConfig,
     ValueAlgoConfig,
 )
-from rlhf_core.config.sections import PromptData, SyncedRolloutConfig
+from rlhf_core.config.sections import PromptData, SyncedRolloutConfig, TrainedModelConfig
 
 
 @dataclass
@@ -80,7 +80,11 @@ def check_rl(name: str, p: CriticWarmupConfig, critic: bool) -> None:
     p.data.validate(f"{name}.data", min_len=1)
     r.validate(f"{name}.rollout")
     p.actor.strategy.validate(f"{name}.actor.strategy")
+    if isinstance(p.actor.model, TrainedModelConfig):
+        p.actor.model.validate(f"{name}.actor.model")
     if critic:
+        if p.critic.model is not None:
+            p.critic.model.validate(f"{name}.critic.model")
         p.critic.strategy.validate(f"{name}.critic.strategy")
         p.critic.optim.validate(f"{name}.critic.optim")
     for key in ("rollout_batch_size", "train_batch_size", "micro_train_batch_size", "micro_rollout_batch_size"):

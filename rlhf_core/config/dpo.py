@@ -13,13 +13,14 @@ from rlhf_core.config.sections import (
     PreferenceData,
     StrategyConfig,
     TrainConfig,
+    TrainedModelConfig,
     check_training,
 )
 
 
 @dataclass
 class PreferenceConfig:
-    model: ModelConfig = required("Policy to train, usually stage:sft.")
+    model: TrainedModelConfig = required("Policy to train, usually stage:sft.")
     data: PreferenceData = required("Preference pairs (prompt_key, chosen_key, rejected_key); eval_path: held-out.")
     reference: ModelConfig | None = opt(None, "Frozen reference policy; null = the policy's starting model.")
     strategy: StrategyConfig = opt(StrategyConfig(), "DeepSpeed/Ray settings.")
@@ -33,6 +34,7 @@ class PreferenceConfig:
     )
 
     def validate(self, name: str) -> None:
+        self.model.validate(f"{name}.model")
         check_training(name, self.strategy, self.optim, self.train, self.data)
         check(self.beta > 0, f"{name}.beta", self.beta, "must be > 0")
 

@@ -32,12 +32,18 @@ _NOT_HASHED = {
 }
 
 
+def _off(key: str, value: Any) -> bool:
+    """A section that is off as it is by default (LoRA with rank 0): left out, so that adding such a section to the
+    config keeps the hashes of the stages that do not use it."""
+    return key == "lora" and isinstance(value, dict) and value.get("rank") == 0
+
+
 def stage_hash(section: Any, upstream: dict[str, str] | None = None) -> str:
     """Hash of a stage's resolved section (minus bookkeeping fields) and its upstream artifacts' hashes."""
 
     def strip(node: Any) -> Any:
         if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if k not in _NOT_HASHED}
+            return {k: strip(v) for k, v in node.items() if k not in _NOT_HASHED and not _off(k, v)}
         return node
 
     payload = {"stage": strip(dataclasses.asdict(section)), "upstream": upstream or {}}

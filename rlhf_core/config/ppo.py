@@ -12,7 +12,7 @@ from rlhf_core.algos.vocab import GROUP_ESTIMATORS, AdvantageEstimator, LossAggr
 from rlhf_core.config.critic_warmup import CriticWarmupConfig, check_rl
 from rlhf_core.config.fields import ConfigError, check, opt, required
 from rlhf_core.config.rl import ROLE_KEYS_MOVED, ActorRole, CriticRole, RLTrainConfig, ValueAlgoConfig
-from rlhf_core.config.sections import StrategyConfig
+from rlhf_core.config.sections import StrategyConfig, TrainedModelConfig
 
 
 @dataclass
@@ -74,7 +74,8 @@ class PPOConfig(CriticWarmupConfig):
         """The PPO section that runs a critic warm-up: its own values, and PPO's defaults for the actor's optimizer,
         loss and estimator, which a frozen actor never uses."""
         fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(CriticWarmupConfig)}
-        fields["actor"] = ActorRole(model=w.actor.model, strategy=_training_strategy(w))
+        actor_model = TrainedModelConfig(**dataclasses.asdict(w.actor.model))  # frozen: no adapters
+        fields["actor"] = ActorRole(model=actor_model, strategy=_training_strategy(w))
         fields["algo"] = PPOAlgoConfig(**dataclasses.asdict(w.algo))
         fields["train"] = PPOTrainConfig(**dataclasses.asdict(w.train))
         return cls(**fields)

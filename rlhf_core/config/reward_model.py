@@ -6,18 +6,18 @@ from dataclasses import dataclass
 
 from rlhf_core.config.fields import ConfigError, opt, required
 from rlhf_core.config.sections import (
-    ModelConfig,
     OptimConfig,
     PreferenceData,
     StrategyConfig,
     TrainConfig,
+    TrainedModelConfig,
     check_training,
 )
 
 
 @dataclass
 class RewardModelConfig:
-    model: ModelConfig = required("Model to start from, usually stage:sft.")
+    model: TrainedModelConfig = required("Model to start from, usually stage:sft.")
     data: PreferenceData = required("Preference data (prompt_key, chosen_key, rejected_key) with eval_path.")
     strategy: StrategyConfig = opt(StrategyConfig(), "DeepSpeed/Ray settings.")
     optim: OptimConfig = opt(OptimConfig(lr=9e-6), "Optimizer settings.")
@@ -25,6 +25,7 @@ class RewardModelConfig:
     margin: float = opt(0.0, "Margin m in -log sigmoid(r_chosen - r_rejected - m).")
 
     def validate(self, name: str) -> None:
+        self.model.validate(f"{name}.model")
         check_training(name, self.strategy, self.optim, self.train, self.data)
         if not self.data.eval_path:
             raise ConfigError(f"'{name}.data.eval_path' is required: held-out pairs give accuracy and reward stats")

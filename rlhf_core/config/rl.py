@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from rlhf_core.algos.vocab import KLEstimator
 from rlhf_core.config.fields import opt, required
-from rlhf_core.config.sections import InferenceStrategy, ModelConfig, OptimConfig, StrategyConfig
+from rlhf_core.config.sections import InferenceStrategy, ModelConfig, OptimConfig, StrategyConfig, TrainedModelConfig
 
 # The keys of a role's model that moved from the role's own section into ``<role>.model`` (refused with their new
 # spelling by the loader).
@@ -24,7 +24,7 @@ MODEL_MOVED = {name: f"model.{name}" for name in ("name_or_path", "tokenizer", "
 class ActorRole:
     RENAMED: ClassVar[dict[str, str]] = MODEL_MOVED
 
-    model: ModelConfig = required("Policy to train, usually stage:sft.")
+    model: TrainedModelConfig = required("Policy to train, usually stage:sft.")
     strategy: StrategyConfig = opt(StrategyConfig(), "The actor group's DeepSpeed/Ray settings.")
     optim: OptimConfig = opt(OptimConfig(lr=5e-7), "The actor's optimizer (low LR).")
 
@@ -43,7 +43,7 @@ class FrozenActorRole:
 class CriticRole:
     RENAMED: ClassVar[dict[str, str]] = MODEL_MOVED
 
-    model: ModelConfig | None = opt(
+    model: TrainedModelConfig | None = opt(
         None, "Critic to start from (stage:critic_warmup or stage:critic_init); algo.advantage_estimator=gae only."
     )
     strategy: StrategyConfig = opt(StrategyConfig(), "The critic group's DeepSpeed/Ray settings.")

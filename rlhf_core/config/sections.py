@@ -19,6 +19,36 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on a trained model (peft): only the adapters, modules_to_save and a value head train."""
+
+    rank: int = opt(0, "LoRA rank r; 0 = no adapters (every weight trains).")
+    alpha: float = opt(16.0, "LoRA alpha: the update B @ A is scaled by alpha / rank.")
+    dropout: float = opt(0.0, "Dropout on the adapters' input.")
+    target_modules: list[str] = opt(
+        ["all-linear"],
+        "Linear layers to adapt, by name (e.g. [q_proj, v_proj]); all-linear = every linear layer but the LM head.",
+    )
+    modules_to_save: list[str] = opt([], "Modules trained fully beside the adapters, by name (e.g. [embed_tokens]).")
+
+    def validate(self, key: str) -> None:
+        check(self.rank >= 0, f"{key}.rank", self.rank, "must be >= 0 (0 = no adapters)")
+        check(self.alpha > 0, f"{key}.alpha", self.alpha, "must be > 0")
+        check(0 <= self.dropout < 1, f"{key}.dropout", self.dropout, "must be in [0, 1)")
+        check(len(self.target_modules) > 0, f"{key}.target_modules", self.target_modules, "must name a module")
+
+
+@dataclass
+class TrainedModelConfig(ModelConfig):
+    """A model that a stage trains: fully, or through LoRA adapters."""
+
+    lora: LoraConfig = opt(LoraConfig(), "LoRA adapters (rank 0: full fine-tuning).")
+
+    def validate(self, key: str) -> None:
+        self.lora.validate(f"{key}.lora")
+
+
+@dataclass
 class ReadModelConfig:
     """A model that is copied as it is (no builtin: build, so no build seed)."""
 

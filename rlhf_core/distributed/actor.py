@@ -19,6 +19,7 @@ from rlhf_core.distributed.strategy import gathered
 from rlhf_core.distributed.weight_sync.buckets import dtype_name
 from rlhf_core.models.builders import build_causal_lm
 from rlhf_core.models.forward import causal_lm_logprobs
+from rlhf_core.models.lora import merged_tensors
 
 if TYPE_CHECKING:
     from rlhf_core.distributed.rollout.group import EngineHandles
@@ -46,7 +47,13 @@ class PolicyActor(TrainableRole):
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module:
         c = self.ctx
         return build_causal_lm(
-            c.model_path, tokenizer, seed=c.init_seed, dtype=dtype, attn=attn, trust_remote_code=c.trust_remote_code
+            c.model_path,
+            tokenizer,
+            seed=c.init_seed,
+            dtype=dtype,
+            attn=attn,
+            trust_remote_code=c.trust_remote_code,
+            lora=c.lora,
         )
 
     def logprobs(self, batch: SequenceBatch, temperature: float | None = None) -> torch.Tensor:
@@ -128,28 +135,33 @@ class PolicyActor(TrainableRole):
             )
 
     def _param_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """Every parameter's full spec (ZeRO-3: from ``ds_shape``, the shape before partitioning)."""
+        """Every weight's full spec under its checkpoint name (ZeRO-3: from ``ds_shape``, the shape before
+        partitioning); a LoRA layer's weight is its merged one (``models.lora.merged_tensors``)."""
         zero3 = self.ctx.strategy.zero_stage == 3
-        return [
-            (n, dtype_name(p.dtype), tuple(int(s) for s in (p.ds_shape if zero3 else p.shape)))
-            for n, p in self.engine.module.named_parameters()
-        ]
+        out = []
+        for t in merged_tensors(self.engine.module):
+            base = t.sources[0]
+            out.append(
+                (t.name, dtype_name(base.dtype), tuple(int(s) for s in (base.ds_shape if zero3 else base.shape)))
+            )
+        return out
 
     def _named_full_params(self, plan: list[list[int]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full parameters in order. ZeRO-3: gathered one bucket of ``plan`` at a time (every rank takes part in
-        each gather); a bucket's tensors stay valid until the next bucket is requested, which is when the sender
-        has packed them."""
-        named = list(self.engine.module.named_parameters())
+        """Full weights in order, under their checkpoint names, a LoRA layer's merged out of place. ZeRO-3: the
+        sources of one bucket of ``plan`` gathered together (every rank takes part in each gather); a bucket's
+        tensors stay valid until the next bucket is requested, which is when the sender has packed them."""
+        tensors = merged_tensors(self.engine.module)
         if self.ctx.strategy.zero_stage != 3:
-            for name, param in named:
-                yield name, param.data.detach()
+            for t in tensors:
+                yield t.name, t.value()
             return
         import deepspeed
 
         for bucket in plan:
-            with deepspeed.zero.GatheredParameters([named[i][1] for i in bucket]):
+            sources = [p for i in bucket for p in tensors[i].sources]
+            with deepspeed.zero.GatheredParameters(sources):
                 for i in bucket:
-                    yield named[i][0], named[i][1].data.detach()
+                    yield tensors[i].name, tensors[i].value()
 
     def push_weights(self) -> dict[str, float]:
         """Collective over the actor ranks: send every parameter to the engines. Returns rank 0's sync metrics

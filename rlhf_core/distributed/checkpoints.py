@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from rlhf_core import curves, events, run_layout
-from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
+from rlhf_core.config import LoraConfig, OptimConfig, StrategyConfig, TrainConfig
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
+from rlhf_core.models.lora import lora_layers, merged_state_dict
 from rlhf_core.storage import ObjectStore
 from rlhf_core.tracking import TrackingSpec
 
@@ -52,6 +53,7 @@ class StageContext:
     job_started: float | None = None  # epoch seconds the job's process started (rlhf_core.timing): startup_s
     kind: str = ""  # the stage's kind (sft, reward_model, dpo, kto): the curves' title
     tracking: TrackingSpec | None = None  # the experiment trackers rank 0 logs to (rlhf_core.tracking)
+    lora: LoraConfig | None = None  # <stage>.model.lora: LoRA adapters (rank 0: none)
 
 
 def start_rank(ctx: StageContext) -> tuple[StageContext, DeepSpeedStrategy, ObjectStore, Path]:
@@ -234,7 +236,11 @@ def rank_files(rank: int) -> Callable[[str], bool]:
 
 
 def export_hf(module: nn.Module, weights: dict, tokenizer: Any, local: Path) -> Path:
-    """Write the Hugging Face model inside ``module`` (itself, or ``module.hf_model``) with gathered ``weights``."""
+    """Write the Hugging Face model inside ``module`` (itself, or ``module.hf_model``) with gathered ``weights``; a
+    model with LoRA adapters is written as the plain model, its adapters merged (``models.lora``)."""
+    layers = lora_layers(module)
+    if layers:
+        weights = merged_state_dict(weights, layers)
     hf_model = getattr(module, "hf_model", module)
     prefix = "hf_model." if hf_model is not module else ""
     weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}

@@ -29,7 +29,13 @@ class CriticActor(TrainableRole):
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module:
         c = self.ctx
         hf = build_scalar_model(
-            c.model_path, tokenizer, seed=c.init_seed, dtype=dtype, attn=attn, trust_remote_code=c.trust_remote_code
+            c.model_path,
+            tokenizer,
+            seed=c.init_seed,
+            dtype=dtype,
+            attn=attn,
+            trust_remote_code=c.trust_remote_code,
+            lora=c.lora,
         )
         return ScalarHeadModel(hf)
 

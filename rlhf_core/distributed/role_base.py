@@ -14,7 +14,7 @@ from torch import nn
 
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.losses import window_loss_scale
-from rlhf_core.config import OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
+from rlhf_core.config import LoraConfig, OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
 from rlhf_core.distributed import device
 from rlhf_core.distributed.checkpoints import export_hf, load_engine_shards, save_engine_shards
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
@@ -49,6 +49,7 @@ class RoleContext:
     trust_remote_code: bool = False  # <stage>.<role>.trust_remote_code
     reward_stats: tuple[float, float] | None = None  # (mean, std) of the reward model when normalize_reward is on
     trains: bool = True  # False: forwards only (the critic warm-up's actor), an engine without optimizer
+    lora: LoraConfig | None = None  # <stage>.<role>.model.lora: LoRA adapters (rank 0: none)
 
 
 @dataclass(frozen=True)

@@ -137,12 +137,24 @@ class DeepSpeedStrategy:
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def save_checkpoint(self, engine: Any, local_dir: str, client_state: dict) -> None:
-        """Every rank writes its ZeRO shards under ``local_dir/ds`` (rank 0 also the module and client state)."""
-        engine.save_checkpoint(local_dir, tag="ds", client_state=client_state, save_latest=False)
+        """Every rank writes its ZeRO shards under ``local_dir/ds`` (rank 0 also the module and client state). The
+        frozen parameters (a LoRA model's base weights) are left out: a resume rebuilds them from the model's source,
+        so a checkpoint holds what trains (the adapters, a value head)."""
+        engine.save_checkpoint(
+            local_dir,
+            tag="ds",
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=_has_frozen(engine),
+        )
 
     def load_checkpoint(self, engine: Any, local_dir: str) -> dict:
         _, client_state = engine.load_checkpoint(
-            local_dir, tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True
+            local_dir,
+            tag="ds",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=not _has_frozen(engine),  # the frozen weights were not saved (save_checkpoint)
         )
         assert client_state is not None, f"no DeepSpeed checkpoint under {local_dir}/ds"
         return client_state
@@ -195,6 +207,10 @@ def offload_training_states(engine: Any, pin_memory: bool) -> None:
         done.add(OffloadStateTypeEnum.optim_states)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _has_frozen(engine: Any) -> bool:
+    return any(not p.requires_grad for p in engine.module.parameters())
 
 
 def gathered(params: list[nn.Parameter]) -> Any:

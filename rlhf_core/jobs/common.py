@@ -317,6 +317,7 @@ class StageSetup:
             tokenizer_path=s.model.tokenizer,
             init_seed=s.model.init_seed,
             trust_remote_code=s.model.trust_remote_code,
+            lora=getattr(s.model, "lora", None),
             strategy=s.strategy,
             optim=s.optim,
             train=s.train,

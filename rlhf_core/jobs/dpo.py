@@ -173,6 +173,7 @@ class DPOTrainer:
             dtype=dtype,
             attn=attn,
             trust_remote_code=ctx.trust_remote_code,
+            lora=ctx.lora,
         )
 
     def batch(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

@@ -172,6 +172,45 @@ class PPOController:
         self.tracker = Tracker(None)  # run() opens the stage's trackers around fit()
 
     # -- start: the roles and engines, placed by the plan -------------------------------------------------------------
+    def role_context(self, role: str) -> RoleContext:
+        """What the trained role ``role`` ("actor" or "critic") gets on its ranks: its model (and LoRA adapters),
+        strategy and optimizer, and the stage's batch, algorithm and run settings."""
+        p, train = self.p, self.p.train
+        section = p.actor if role == "actor" else p.critic
+        model = section.model
+        assert model is not None, f"{self.stage}: no {role} model"
+        own: dict[str, Any] = (
+            dict(
+                total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps),
+                max_new_tokens=p.rollout.max_new_tokens,
+                trains=self.train_actor,
+            )
+            if role == "actor"
+            else dict(total_optimizer_steps=optimizer_steps(p, self.steps), reward_stats=self.rewards.stats)
+        )
+        return RoleContext(
+            role=role,
+            model_path=self.setup.sources[role],
+            tokenizer_path=model.tokenizer,
+            init_seed=model.init_seed,
+            trust_remote_code=model.trust_remote_code,
+            lora=model.lora,
+            strategy=section.strategy,
+            optim=section.optim,
+            stage=self.stage,
+            micro_rollout_batch_size=train.micro_rollout_batch_size,
+            algo=p.algo,
+            seed=train.seed,
+            run_uri=self.store.root_uri,
+            storage_options=self.store.fs.storage_options,
+            work_dir=self.setup.work,
+            batch=TrainConfig(
+                train_batch_size=train.train_batch_size, micro_train_batch_size=train.micro_train_batch_size
+            ),
+            temperature=p.rollout.temperature,
+            **own,
+        )
+
     def start(self) -> None:
         p, train, roles, sources, cluster = self.p, self.p.train, self.roles, self.setup.sources, self.cluster
         cluster.start(min_cpus=resource_demand(p, roles, "cpu")["CPU"])  # the CPUs asked do not depend on the device
@@ -185,19 +224,6 @@ class PPOController:
         def placed(role: str) -> dict[str, Any]:
             return {"placement": bundles.get(plan.roles[role].group), "share": plan.roles[role].share}
 
-        base = dict(
-            stage=self.stage,
-            micro_rollout_batch_size=train.micro_rollout_batch_size,
-            algo=p.algo,
-            seed=train.seed,
-            run_uri=self.store.root_uri,
-            storage_options=self.store.fs.storage_options,
-            work_dir=self.setup.work,
-            batch=TrainConfig(
-                train_batch_size=train.train_batch_size, micro_train_batch_size=train.micro_train_batch_size
-            ),
-            temperature=p.rollout.temperature,
-        )
         self.engines = cluster.engines(
             p.rollout.num_engines,
             sources["actor"],
@@ -223,33 +249,10 @@ class PPOController:
             # GPUs load their models only once it is up and asleep (OpenRLHF's order), so it is charged for its own.
             self.engines.wait_ready()
             self.engines.sleep()
-        actor_ctx = RoleContext(
-            role="actor",
-            model_path=sources["actor"],
-            tokenizer_path=p.actor.model.tokenizer,
-            init_seed=p.actor.model.init_seed,
-            trust_remote_code=p.actor.model.trust_remote_code,
-            strategy=p.actor.strategy,
-            optim=p.actor.optim,
-            total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps),
-            max_new_tokens=p.rollout.max_new_tokens,
-            trains=self.train_actor,
-            **base,
-        )
+        actor_ctx = self.role_context("actor")
         self.actor = cluster.group(plan.roles["actor"].strategy, PolicyActor, actor_ctx, **placed("actor"))
         if roles.critic:  # critic-free estimators (REINFORCE++, GRPO, RLOO, ...) start no critic
-            critic_ctx = RoleContext(
-                role="critic",
-                model_path=sources["critic"],
-                tokenizer_path=p.critic.model.tokenizer,
-                init_seed=p.critic.model.init_seed,
-                trust_remote_code=p.critic.model.trust_remote_code,
-                strategy=p.critic.strategy,
-                optim=p.critic.optim,
-                total_optimizer_steps=optimizer_steps(p, self.steps),
-                reward_stats=self.rewards.stats,
-                **base,
-            )
+            critic_ctx = self.role_context("critic")
             self.critic = cluster.group(plan.roles["critic"].strategy, CriticActor, critic_ctx, **placed("critic"))
         # The frozen roles (forwards only); frozen.zero_stage 3: one ZeRO-3 copy over the workers. They take the
         # actor's packing and attention kernel, so reference and actor log-probs come from the same kernel.

@@ -140,6 +140,7 @@ class RewardModelTrainer:
             dtype=dtype,
             attn=attn,
             trust_remote_code=ctx.trust_remote_code,
+            lora=ctx.lora,
         )
         return ScalarHeadModel(hf)
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from rlhf_core.algos.losses import last_token_index
 from rlhf_core.errors import first_line
+from rlhf_core.models.partitioned import full_values
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_TOKENIZER = ASSETS / "tokenizer"
@@ -125,26 +126,6 @@ def _builtin_config(name: str, vocab_size: int, tokenizer: Any, attn: str) -> An
     )
 
 
-def _partitioned(params: list[nn.Parameter]) -> list[nn.Parameter]:
-    """The ZeRO-3 parameters among ``params`` whose full value is not on this rank now."""
-    return [p for p in params if hasattr(p, "ds_id") and p.ds_status.name == "NOT_AVAILABLE"]
-
-
-@contextmanager
-def full_values(params: list[nn.Parameter]) -> Iterator[None]:
-    """Inside, ZeRO-3 partitioned ``params`` hold their full values, and what is written to them is kept: gathered on
-    entry, re-partitioned from the written values on exit. Every rank must enter and write the same values (our
-    writes come from seeded generators). A no-op for ordinary parameters."""
-    gathered = _partitioned(params)
-    if gathered:
-        gathered[0].all_gather(param_list=gathered)
-    try:
-        yield
-    finally:
-        if gathered:
-            gathered[0].partition(param_list=gathered, has_been_updated=True)
-
-
 @contextmanager
 def _gathered_hf_init() -> Iterator[None]:
     """Run each module's Hugging Face weight initialisation on its gathered parameters (transformers calls it per
@@ -184,24 +165,53 @@ def init_from_config(auto_cls: Any, config: Any, *, seed: int, dtype: torch.dtyp
 
 
 def build_causal_lm(
-    path: str, tokenizer: Any, *, seed: int, dtype: torch.dtype, attn: str, trust_remote_code: bool = False
+    path: str,
+    tokenizer: Any,
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    attn: str,
+    trust_remote_code: bool = False,
+    lora: Any = None,
 ) -> nn.Module:
     """A causal LM: ``builtin:<name>`` built with ``seed``, else ``from_pretrained`` (``trust_remote_code`` allows the
-    directory's custom modelling code)."""
+    directory's custom modelling code); with LoRA adapters when ``lora`` (a ``lora`` config section) has a rank."""
     from transformers import AutoModelForCausalLM
 
     if path.startswith(BUILTIN_PREFIX):
         config = _builtin_config(path[len(BUILTIN_PREFIX) :], len(tokenizer), tokenizer, attn)
-        return init_from_config(AutoModelForCausalLM, config, seed=seed, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
-    )
+        model = init_from_config(AutoModelForCausalLM, config, seed=seed, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
+        )
+    return _with_adapters(model, lora, seed)
+
+
+def _with_adapters(model: nn.Module, lora: Any, seed: int, head: nn.Module | None = None) -> nn.Module:
+    """``model`` with LoRA adapters (``models.lora``) when ``lora`` has a rank; a value head ``head`` trains fully."""
+    if lora is None or lora.rank == 0:
+        return model
+    from rlhf_core.models.lora import add_adapters
+
+    if head is None:
+        return add_adapters(model, lora, seed=seed)
+    add_adapters(getattr(model, model.base_model_prefix), lora, seed=seed)  # the backbone; the head stays whole
+    return model
 
 
 def build_scalar_model(
-    path: str, tokenizer: Any, *, seed: int, dtype: torch.dtype, attn: str, trust_remote_code: bool = False
+    path: str,
+    tokenizer: Any,
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    attn: str,
+    trust_remote_code: bool = False,
+    lora: Any = None,
 ) -> nn.Module:
-    """A sequence-classification model with one output (reward model or critic) in Hugging Face format.
+    """A sequence-classification model with one output (reward model or critic) in Hugging Face format; with LoRA
+    adapters on its backbone when ``lora`` has a rank (the head then trains fully).
 
     Loading a causal-LM checkpoint keeps its backbone and creates the ``score`` head, which is then initialised
     N(0, 1/(hidden+1)) with ``seed`` (as OpenRLHF does); a reward-model checkpoint keeps its trained head.
@@ -230,7 +240,7 @@ def build_scalar_model(
             head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
             if head.bias is not None:
                 head.bias.zero_()
-    return model
+    return _with_adapters(model, lora, seed, head=score_head(model))
 
 
 def score_head(model: nn.Module) -> nn.Linear:

@@ -80,6 +80,28 @@ def fingerprint(model: torch.nn.Module) -> dict:
     }
 
 
+def lora_report(model: torch.nn.Module) -> dict:
+    """A built model's LoRA adapters: the adapted layers (short names), their scaling and dropout, and the parameters
+    that train (their count and the modules they belong to)."""
+    from rlhf_core.models.lora import lora_layers
+
+    layers = lora_layers(model)
+    modules = model.named_modules()
+    dropout = {
+        round(float(m.p), 6) for name, m in modules if name.endswith("lora_dropout.default") and hasattr(m, "p")
+    }
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {
+        "layers": sorted({name.rsplit(".", 1)[-1] for name in layers}),
+        "count": len(layers),
+        "scaling": sorted(set(layers.values())),
+        "dropout": sorted(dropout),
+        "trainable_params": sum(p.numel() for _, p in trainable),
+        # what trains beside the adapters, by module name (embed_tokens, a value head's score, ...)
+        "trainable_modules": sorted({n.rsplit(".", 2)[-2] for n, _ in trainable if ".lora_" not in n}),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # What several observers and expectations share
 

@@ -23,7 +23,7 @@ from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
 from rlhf_core.jobs import common
 from tests.config_keys.fakes import FixedRole, in_process
-from tests.config_keys.harness import content_key, fingerprint, forward_record, outcome
+from tests.config_keys.harness import content_key, fingerprint, forward_record, lora_report, outcome
 from tests.config_keys.probes_training import engine_state, group_report
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -76,6 +76,28 @@ def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
         }
 
     return outcome(build)
+
+
+def role_lora(role: str):
+    """The LoRA adapters of the model the trained role ``role`` builds from the context start() gives it
+    (``PPOController.role_context``), without starting anything."""
+    from rlhf_core.distributed.actor import PolicyActor
+    from rlhf_core.distributed.critic import CriticActor
+    from rlhf_core.distributed.node_files import local_model_path
+    from rlhf_core.models.builders import load_tokenizer
+
+    def observe(cfg: PipelineConfig, stage: str) -> Any:
+        def build():
+            ctx = _ppo_setup(cfg, stage).role_context(role)
+            ctx = dataclasses.replace(ctx, model_path=local_model_path(ctx.model_path))
+            tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path)
+            obj = (PolicyActor if role == "actor" else CriticActor)(ctx)
+            return lora_report(obj.build_model(tokenizer, torch.float32, "sdpa"))
+
+        return outcome(build)
+
+    observe.__name__ = f"{role}_lora"
+    return observe
 
 
 def rollout_sampling(cfg: PipelineConfig, stage: str) -> Any:

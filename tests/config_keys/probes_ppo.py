@@ -22,6 +22,7 @@ from tests.config_keys.ppo_observers import (
     recomputation,
     report_part,
     role_ds_config,
+    role_lora,
     role_lr_curve,
     role_model,
     role_workers,
@@ -31,7 +32,7 @@ from tests.config_keys.ppo_observers import (
     sampling,
     train_phase,
 )
-from tests.config_keys.probes_training import checkpoint_steps, critic_written, logged_steps
+from tests.config_keys.probes_training import checkpoint_steps, critic_written, logged_steps, lora_probes
 
 PACKING_FOLLOWERS = {"actor": ("actor", "reward", "reference"), "critic": ("critic",)}
 
@@ -270,6 +271,8 @@ def ppo_section(kind: str) -> dict[str, Probe]:
         "data.apply_chat_template": probe("{stage}.data.apply_chat_template=false", observe=ppo_controller),
         "data.input_key": probe("{stage}.data.input_key=question", observe=ppo_controller, base=on_splits),
     }
+    for role in ("actor", "critic") if trains_actor else ("critic",):  # the trained roles' adapters
+        out |= lora_probes(f"{role}.model", role_lora(role), base=BUILTIN_BASES[role])
     for role in ("actor", "critic", "reward", "reference"):
         path = "builtin:small" if role == "actor" else "{rm_seed1}"
         out[f"{role}.model.name_or_path"] = probe(

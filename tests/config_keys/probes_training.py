@@ -34,6 +34,7 @@ from tests.config_keys.harness import (
     fingerprint,
     forward_record,
     job_module,
+    lora_report,
     outcome,
     probe,
 )
@@ -94,6 +95,62 @@ def rank_model(cfg: PipelineConfig, stage: str) -> Any:
         return fingerprint(_stage_trainer(cfg, stage, ctx).build_model(tokenizer, strategy.dtype, attn))
 
     return outcome(build)
+
+
+def rank_lora(cfg: PipelineConfig, stage: str) -> Any:
+    """The LoRA adapters of the model a rank builds (``rank_model``'s path): layers, scaling, dropout, what trains."""
+
+    def build():
+        ctx = common.setup_stage(cfg, stage).context()
+        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
+        return lora_report(_stage_trainer(cfg, stage, ctx).build_model(tokenizer, torch.float32, "sdpa"))
+
+    return outcome(build)
+
+
+def lora_probes(prefix: str, observe: Any, base: tuple[str, ...] = (), slow: bool = False) -> dict[str, Probe]:
+    """The ``<prefix>.lora.*`` keys, each seen in the adapters of the model built (``harness.lora_report``)."""
+    on = (*base, f"{{stage}}.{prefix}.lora.rank=4")
+    key = f"{prefix}.lora"
+    return {
+        f"{key}.rank": probe(
+            f"{{stage}}.{key}.rank=4",
+            observe=observe,
+            base=base,
+            slow=slow,
+            expect=lambda a, b: a["count"] == 0 and b["count"] > 0 and b["trainable_params"] < a["trainable_params"],
+        ),
+        f"{key}.alpha": probe(
+            f"{{stage}}.{key}.alpha=32",
+            observe=observe,
+            base=on,
+            slow=slow,
+            expect=lambda a, b: (a["scaling"], b["scaling"]) == ([4.0], [8.0]),
+        ),
+        f"{key}.dropout": probe(
+            f"{{stage}}.{key}.dropout=0.1",
+            observe=observe,
+            base=on,
+            slow=slow,
+            expect=lambda a, b: (a["dropout"], b["dropout"]) == ([], [0.1]),
+        ),
+        f"{key}.target_modules": probe(
+            f"{{stage}}.{key}.target_modules=[q_proj,v_proj]",
+            observe=observe,
+            base=on,
+            slow=slow,
+            expect=lambda a, b: b["layers"] == ["q_proj", "v_proj"] and len(a["layers"]) == 7,
+        ),
+        f"{key}.modules_to_save": probe(
+            f"{{stage}}.{key}.modules_to_save=[embed_tokens]",
+            observe=observe,
+            base=on,
+            slow=slow,
+            expect=lambda a, b: (
+                "embed_tokens" in b["trainable_modules"] and "embed_tokens" not in a["trainable_modules"]
+            ),
+        ),
+    }
 
 
 def ds_config(cfg: PipelineConfig, stage: str) -> dict:
@@ -325,6 +382,7 @@ TRAINING_SECTION: dict[str, Probe] = {
         "{stage}.model.tokenizer={alt_tokenizer}", observe=rank_model, expect=lambda a, b: b["vocab"] == a["vocab"] + 1
     ),
     "model.init_seed": probe("{stage}.model.init_seed=1", observe=rank_model),
+    **lora_probes("model", rank_lora),
     "model.trust_remote_code": probe(
         "{stage}.model.trust_remote_code=true",
         observe=rank_model,

@@ -1,0 +1,159 @@
+"""LoRA adapters on a trained model (peft), and the model's weights with the adapters merged, out of place.
+
+``add_adapters`` injects peft LoRA layers into a built model (``peft.inject_adapter_in_model``: the model keeps its
+own class, so its forward, its hidden-state path and DeepSpeed see the same model) and leaves trainable only the
+adapters, the modules named in ``lora.modules_to_save`` and, for a reward model or critic, the value head. Under
+ZeRO-3 the adapters are created inside ``deepspeed.zero.Init`` and partitioned at once; their initialisation (A
+random, B zero, so that the model starts as it was) is redone on the gathered values (``partitioned.full_values``).
+
+The rest of the project sees the adapters through two functions:
+
+- ``merged_tensors``: every weight under its checkpoint name, each LoRA layer's weight as ``W + scaling * B @ A``
+  computed in fp32 from the current values and rounded once to W's dtype, never written back. The weight sync sends
+  these (gathering each one's sources together under ZeRO-3), so the engines serve exactly the trained policy, and the
+  trained copy is never merged and unmerged in place (which drifts in bf16).
+- ``merged_state_dict``: the same merge on a full state dict (what the export writes: a plain Hugging Face folder that
+  any loader reads).
+
+Only ``nn.Linear`` layers are adapted: a target that resolves to an embedding or a convolution is refused with the
+module's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf_core.models.partitioned import full_values
+
+ADAPTER = "default"  # peft's adapter name; the one adapter of a model
+LORA_MARKERS = (".lora_A.", ".lora_B.", ".lora_dropout.", ".lora_embedding_", ".lora_magnitude_vector")
+
+
+class LoraTargetError(ValueError):
+    """A LoRA target that this project cannot adapt or merge (not an ``nn.Linear``), or that matched nothing."""
+
+
+@dataclass(frozen=True)
+class MergedTensor:
+    """One weight under its checkpoint name, and what it is computed from: the parameter itself, or a LoRA layer's
+    base weight with its A and B and scaling."""
+
+    name: str
+    sources: tuple[nn.Parameter, ...]
+    scaling: float | None = None
+
+    def value(self) -> torch.Tensor:
+        base = self.sources[0].detach()
+        if self.scaling is None:
+            return base
+        a, b = (p.detach() for p in self.sources[1:])
+        return merged_weight(base, a, b, self.scaling)
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``base + scaling * b @ a`` in fp32, rounded once to ``base``'s dtype (a new tensor)."""
+    return (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
+
+
+def add_adapters(model: nn.Module, lora: Any, *, seed: int, trainable: Iterable[nn.Module] = ()) -> nn.Module:
+    """Inject LoRA layers (``lora``: the model's ``lora`` config section, rank > 0) into ``model`` in place and
+    return it; only the adapters, ``lora.modules_to_save`` and the ``trainable`` modules (a value head) train.
+    ``seed`` makes the adapters' initial A the same on every rank and every run."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=_targets(lora.target_modules),
+        bias="none",
+    )
+    try:
+        inject_adapter_in_model(config, model)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        raise LoraTargetError(f"lora.target_modules {lora.target_modules!r}: {str(e).splitlines()[0]}") from None
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    for name, layer in layers.items():
+        if not isinstance(layer, LoraLinear) or getattr(layer, "fan_in_fan_out", False):
+            raise LoraTargetError(
+                f"lora.target_modules matches {name} ({type(layer.get_base_layer()).__name__}): only nn.Linear "
+                "layers can be adapted; name the linear projections instead"
+            )
+    torch.manual_seed(seed)
+    for layer in layers.values():
+        params = [*layer.lora_A[ADAPTER].parameters(), *layer.lora_B[ADAPTER].parameters()]
+        with torch.no_grad(), full_values(params):  # ZeRO-3: initialise the gathered values, keep what is written
+            layer.reset_lora_parameters(ADAPTER, True)
+    saved = set(lora.modules_to_save)
+    found = set()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in saved:
+            found.add(name.rsplit(".", 1)[-1])
+            module.requires_grad_(True)
+    if saved - found:
+        raise LoraTargetError(f"lora.modules_to_save {sorted(saved - found)}: no module of that name in the model")
+    for module in trainable:
+        module.requires_grad_(True)
+    return model
+
+
+def _targets(value: list[str]) -> str | list[str]:
+    """peft's target_modules: the one string "all-linear" as it is, else the list of module names."""
+    return "all-linear" if list(value) == ["all-linear"] else list(value)
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(".lora_A." in name for name, _ in model.named_parameters())
+
+
+def lora_layers(model: nn.Module) -> dict[str, float]:
+    """Each LoRA layer's module name and scaling (alpha / rank); {} without adapters (then peft is not imported)."""
+    if not has_adapters(model):
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    modules = model.named_modules(remove_duplicate=False)  # a wrapper may hold a module under two names
+    return {name: float(m.scaling[ADAPTER]) for name, m in modules if isinstance(m, LoraLayer)}
+
+
+def merged_tensors(model: nn.Module) -> list[MergedTensor]:
+    """Every weight of ``model`` under its checkpoint name, in parameter order, the LoRA layers' merged (see the
+    module's docstring); a model without adapters gives its parameters as they are."""
+    layers = lora_layers(model)
+    params = dict(model.named_parameters())
+    out = []
+    for name, param in params.items():
+        if any(marker in name for marker in LORA_MARKERS):
+            continue
+        module, _, leaf = name.rpartition(".")
+        owner = module.removesuffix(".base_layer")
+        if module.endswith(".base_layer") and owner in layers and leaf == "weight":
+            a = params[f"{owner}.lora_A.{ADAPTER}.weight"]
+            b = params[f"{owner}.lora_B.{ADAPTER}.weight"]
+            out.append(MergedTensor(f"{owner}.weight", (param, a, b), layers[owner]))
+        else:
+            out.append(MergedTensor(name.replace(".base_layer.", "."), (param,)))
+    return out
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], layers: dict[str, float]) -> dict[str, torch.Tensor]:
+    """A full state dict of a model with LoRA ``layers`` (``lora_layers`` of the same module, so the names match) as
+    the plain model's: each adapted weight merged, the adapters dropped, ``base_layer`` names restored."""
+    out = {}
+    for key, value in state.items():
+        if any(marker in key for marker in LORA_MARKERS):
+            continue
+        owner = key.removesuffix(".base_layer.weight")
+        if owner != key and owner in layers:
+            a = state[f"{owner}.lora_A.{ADAPTER}.weight"]
+            b = state[f"{owner}.lora_B.{ADAPTER}.weight"]
+            value = merged_weight(value, a, b, layers[owner])
+        out[key.replace(".base_layer.", ".")] = value
+    return out

@@ -1,0 +1,29 @@
+"""ZeRO-3 partitioned parameters, driven through their own methods (recognised by their ZeRO attributes, ``ds_id``),
+so that model building does not import DeepSpeed: the one context that holds them whole while they are written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+
+def _partitioned(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The ZeRO-3 parameters among ``params`` whose full value is not on this rank now."""
+    return [p for p in params if hasattr(p, "ds_id") and p.ds_status.name == "NOT_AVAILABLE"]
+
+
+@contextmanager
+def full_values(params: list[nn.Parameter]) -> Iterator[None]:
+    """Inside, ZeRO-3 partitioned ``params`` hold their full values, and what is written to them is kept: gathered on
+    entry, re-partitioned from the written values on exit. Every rank must enter and write the same values (our
+    writes come from seeded generators). A no-op for ordinary parameters."""
+    gathered = _partitioned(params)
+    if gathered:
+        gathered[0].all_gather(param_list=gathered)
+    try:
+        yield
+    finally:
+        if gathered:
+            gathered[0].partition(param_list=gathered, has_been_updated=True)

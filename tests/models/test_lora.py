@@ -1,0 +1,167 @@
+"""LoRA adapters (``rlhf_core.models.lora``) on the builtin tiny models: they start as the plain model, only they (and
+a value head) train under the project's DeepSpeed strategy, a checkpoint holds them and restores the same logits, the
+merged export is the trained model, and merging for a sync is out of place. The live sync into vLLM is in
+``tests/distributed/test_engine_placement.py``."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from rlhf_core.config import LoraConfig, OptimConfig, StrategyConfig, TrainConfig
+from rlhf_core.distributed.checkpoints import export_hf
+from rlhf_core.distributed.strategy import DeepSpeedStrategy
+from rlhf_core.models.builders import ScalarHeadModel, build_causal_lm, build_scalar_model, load_tokenizer
+from rlhf_core.models.lora import LoraTargetError, lora_layers, merged_state_dict, merged_tensors, merged_weight
+from tests.config_keys.fakes import end_one_rank_world, one_rank_world
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin:tiny")
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-rank torch.distributed world in this process, for DeepSpeed engines; ended after the module."""
+    one_rank_world()
+    yield
+    end_one_rank_world()
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(5, 500, (2, 11), generator=torch.Generator().manual_seed(seed))
+
+
+def _lm(tok, lora=LORA, seed=0):
+    return build_causal_lm("builtin:tiny", tok, seed=seed, dtype=torch.float32, attn="sdpa", lora=lora)
+
+
+def _engine(model, lr=1e-2):
+    strategy = DeepSpeedStrategy(
+        StrategyConfig(zero_stage=2, precision="fp32"),
+        OptimConfig(lr=lr, lr_warmup_ratio=0.0, max_norm=0.0),
+        TrainConfig(train_batch_size=2, micro_train_batch_size=2),
+    )
+    strategy.init_distributed()
+    return strategy, strategy.prepare(model, total_steps=10)
+
+
+def _step(engine, seed=0):
+    ids = _ids(seed)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+
+
+def test_adapters_start_as_the_plain_model_and_are_the_only_trainable_weights(tok):
+    plain, adapted = _lm(tok, lora=None), _lm(tok)
+    with torch.no_grad():
+        assert torch.equal(plain(_ids()).logits, adapted(_ids()).logits)  # B = 0: the adapters add nothing yet
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # the merged view: the plain model's names, in its order
+    assert [t.name for t in merged_tensors(adapted)] == [n for n, _ in plain.named_parameters()]
+    # a value model: the adapters on its backbone, and the head trains whole
+    rm = build_scalar_model("builtin:tiny", tok, seed=0, dtype=torch.float32, attn="sdpa", lora=LORA)
+    assert rm.score.weight.requires_grad and not rm.model.embed_tokens.weight.requires_grad
+    saved = _lm(tok, lora=LoraConfig(rank=4, modules_to_save=["embed_tokens"]))
+    assert saved.model.embed_tokens.weight.requires_grad
+
+
+def test_targets_that_cannot_be_adapted_are_refused_naming_them(tok):
+    with pytest.raises(LoraTargetError, match=r"matches model.embed_tokens \(Embedding\): only nn.Linear"):
+        _lm(tok, lora=LoraConfig(rank=4, target_modules=["embed_tokens"]))
+    with pytest.raises(LoraTargetError, match=r"lora.target_modules \['qproj'\]: Target modules \{'qproj'\} not"):
+        _lm(tok, lora=LoraConfig(rank=4, target_modules=["qproj"]))
+    with pytest.raises(LoraTargetError, match=r"lora.modules_to_save \['embed'\]: no module of that name"):
+        _lm(tok, lora=LoraConfig(rank=4, modules_to_save=["embed"]))
+
+
+def test_a_deepspeed_step_moves_the_adapters_only_and_a_checkpoint_restores_them(tok, world, tmp_path):
+    model = _lm(tok)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    strategy, engine = _engine(model)
+    _step(engine)
+    after = dict(engine.module.named_parameters())
+    assert all(torch.equal(after[n], v) for n, v in base.items())  # every base weight bit for bit
+    moved = {n for n, v in adapters.items() if not torch.equal(after[n], v)}
+    # step 1: B starts at 0, so A gets no gradient (dL/dA = B^T ...) and only B moves; step 2 moves A too
+    assert moved == {n for n in adapters if ".lora_B." in n}
+    _step(engine, seed=1)
+    assert all(torch.equal(after[n], v) for n, v in base.items())
+    assert all(not torch.equal(after[n], v) for n, v in adapters.items())
+    # the optimizer holds the adapters only (ZeRO-2 keeps them in one flat fp32 partition)
+    held = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
+    assert held == sum(v.numel() for v in adapters.values())
+
+    strategy.save_checkpoint(engine, str(tmp_path), client_state={"step": 1})
+    saved = sorted(p.name for p in (tmp_path / "ds").iterdir())
+    module_state = torch.load(tmp_path / "ds" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert module_state.keys() == adapters.keys()  # the checkpoint holds what trains, not the base
+    with torch.no_grad():
+        trained = engine.module(_ids(1)).logits
+    fresh_strategy, fresh = _engine(_lm(tok))
+    assert fresh_strategy.load_checkpoint(fresh, str(tmp_path))["step"] == 1
+    with torch.no_grad():
+        assert torch.equal(fresh.module(_ids(1)).logits, trained), saved
+
+
+def test_the_merged_export_is_the_trained_model(tok, world, tmp_path):
+    model = _lm(tok)
+    strategy, engine = _engine(model)
+    _step(engine)
+    with torch.no_grad():
+        trained = engine.module(_ids(2)).logits
+    path = export_hf(engine.module, strategy.full_state_dict(engine), tok, tmp_path / "merged")
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not any("lora" in n or "base_layer" in n for n, _ in plain.named_parameters())
+    with torch.no_grad():
+        assert (plain(_ids(2)).logits - trained).abs().max().item() < 1e-5
+    # a value model's export: backbone merged, head as trained
+    rm = ScalarHeadModel(build_scalar_model("builtin:tiny", tok, seed=0, dtype=torch.float32, attn="sdpa", lora=LORA))
+    with torch.no_grad():
+        for n, p in rm.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
+        values = rm(_ids(2))
+    rm_path = export_hf(rm, rm.state_dict(), tok, tmp_path / "rm")
+    loaded = ScalarHeadModel(AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32))
+    with torch.no_grad():
+        assert (loaded(_ids(2)) - values).abs().max().item() < 1e-5
+
+
+def test_merging_for_a_sync_is_out_of_place_and_rounds_once():
+    # by hand: W = [[1, 2], [3, 4]], A = [[1, 1]] (1 x 2), B = [[1], [2]] (2 x 1), scaling 0.5:
+    # W + 0.5 * B @ A = [[1.5, 2.5], [4, 5]]
+    w, a, b = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1.0, 1.0]]), torch.tensor([[1.0], [2.0]])
+    assert torch.equal(merged_weight(w, a, b, 0.5), torch.tensor([[1.5, 2.5], [4.0, 5.0]]))
+    assert torch.equal(w, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    # bf16: the sum is taken in fp32 and rounded once; 1 + 2**-9 is not a bf16 number (8 bits of mantissa), so an
+    # in-place bf16 merge and unmerge drifts, the out-of-place value rounds back to the same
+    wb = torch.ones(1, 1, dtype=torch.bfloat16)
+    tiny = merged_weight(
+        wb, torch.ones(1, 1, dtype=torch.bfloat16), torch.full((1, 1), 2.0**-9, dtype=torch.bfloat16), 1.0
+    )
+    assert tiny.dtype == torch.bfloat16 and tiny.item() == 1.0
+
+
+def test_ten_syncs_leave_the_trained_weights_as_they_are(tok):
+    model = _lm(tok)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.05)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    first = None
+    for _ in range(10):
+        values = {t.name: t.value() for t in merged_tensors(model)}
+        first = first or values
+        assert all(torch.equal(values[k], first[k]) for k in first)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    layers = lora_layers(model)
+    assert len(layers) == 14 and set(layers.values()) == {2.0}  # 7 linear layers x 2 blocks, alpha 8 / rank 4
+    merged = merged_state_dict(model.state_dict(), layers)
+    assert all(torch.equal(merged[k], first[k]) for k in first)
