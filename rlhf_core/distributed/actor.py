@@ -15,7 +15,6 @@ from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.losses import masked_mean
 from rlhf_core.algos.ppo import aggregate_loss, distributed_masked_whiten, kl_loss_tokens, policy_loss_tokens
 from rlhf_core.distributed.role_base import TrainableRole, WindowNorm, logprob_temperature
-from rlhf_core.distributed.strategy import gathered
 from rlhf_core.distributed.weight_sync.buckets import dtype_name
 from rlhf_core.models.builders import build_causal_lm
 from rlhf_core.models.forward import causal_lm_logprobs
@@ -36,7 +35,6 @@ def _logprobs(model: Any, batch: SequenceBatch, temperature: float, pack: bool, 
         temperature=logprob_temperature(temperature),
         pack=pack,
         with_entropy=with_entropy,
-        gather=gathered,  # autograd off (the old log-probs): the LM head gathered once, not once per chunk
     )
 
 

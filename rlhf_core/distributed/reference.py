@@ -11,7 +11,7 @@ import torch
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.distributed.node_files import local_model_path
 from rlhf_core.distributed.role_base import logprob_temperature
-from rlhf_core.distributed.strategy import FrozenStrategy, gathered
+from rlhf_core.distributed.strategy import FrozenStrategy
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, load_tokenizer
 from rlhf_core.models.forward import causal_lm_logprobs
 
@@ -62,7 +62,6 @@ class ReferencePolicy:
                 micro.action_mask,
                 temperature=self.temperature,
                 pack=self.packing,
-                gather=gathered,  # ZeRO-3: the LM head gathered once for all chunks
             )
 
         return self.strategy.map_micro(batch, fn)

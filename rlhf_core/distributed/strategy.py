@@ -213,16 +213,6 @@ def _has_frozen(engine: Any) -> bool:
     return any(not p.requires_grad for p in engine.module.parameters())
 
 
-def gathered(params: list[nn.Parameter]) -> Any:
-    """A context in which ZeRO-3 partitioned ``params`` are whole (DeepSpeed's ``GatheredParameters``, one fetch for
-    the context; read only, no autograd through them); other parameters are left as they are. A collective when any
-    is partitioned: every rank of the group enters it."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
-    if not partitioned:
-        return nullcontext()
-    return import_deepspeed().zero.GatheredParameters(partitioned)
-
-
 def join_world() -> tuple[int, int]:
     """Join this worker's torch.distributed world (NCCL on CUDA, after selecting the worker's device; gloo on CPU),
     unless already joined; returns (rank, world size)."""

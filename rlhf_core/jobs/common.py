@@ -44,8 +44,9 @@ from rlhf_core.data.sampler import total_steps
 from rlhf_core.distributed.checkpoints import StageContext, newest_checkpoint
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.errors import first_line, one_line
-from rlhf_core.models.builders import ModelPathError
+from rlhf_core.models.builders import ModelPathError, load_tokenizer, model_skeleton
 from rlhf_core.models.checks import check_model_source
+from rlhf_core.models.lora import LoraTargetError
 from rlhf_core.run_layout import existing_output, open_store, upstream_hash
 from rlhf_core.storage import ArtifactError, ObjectStore, redact
 from rlhf_core.types import CheckpointRef
@@ -368,9 +369,25 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
             )
     paths = {role: fetched[model.name_or_path][0] for role, model in models.items()}
     sources = {role: fetched[model.name_or_path][1] for role, model in models.items()}
+    for role, model in models.items():
+        lora = getattr(model, "lora", None)
+        if lora is not None and lora.rank > 0:
+            scalar = role == "critic" or cfg.kind(stage) == "reward_model"
+            check_adapters(f"{stage}.{role}{where}", model, paths[role], scalar=scalar)
     return StageSetup(
         stage, section, store, work, paths, upstream, config_hash, None, sources, cfg.kind(stage), tracked
     )
+
+
+def check_adapters(key: str, model: Any, path: str, *, scalar: bool) -> None:
+    """The LoRA section of the model at ``key`` tried on the model's skeleton (its config, no weights: the meta
+    device) before any worker starts: a target that matches nothing or is not a linear layer raises ``ConfigError``
+    naming the key."""
+    tokenizer = load_tokenizer(path, model.tokenizer, trust_remote_code=model.trust_remote_code)
+    try:
+        model_skeleton(path, tokenizer, model.lora, scalar=scalar, trust_remote_code=model.trust_remote_code)
+    except LoraTargetError as e:
+        raise ConfigError(f"'{key}.{e.key}' {e.why}") from None
 
 
 def is_data_key(key: str) -> bool:

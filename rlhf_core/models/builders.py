@@ -188,6 +188,25 @@ def build_causal_lm(
     return _with_adapters(model, lora, seed)
 
 
+def model_skeleton(
+    path: str, tokenizer: Any, lora: Any = None, *, scalar: bool = False, trust_remote_code: bool = False
+) -> nn.Module:
+    """The model at ``path`` built from its config on the meta device (no weights, no memory), with the adapters of
+    ``lora``: what a check of the model's shape needs before any worker loads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if path.startswith(BUILTIN_PREFIX):
+        config = _builtin_config(path[len(BUILTIN_PREFIX) :], len(tokenizer), tokenizer, "sdpa")
+    else:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
+    if scalar:
+        config.num_labels = 1
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    return _with_adapters(model, lora, 0, head=score_head(model) if scalar else None)
+
+
 def _with_adapters(model: nn.Module, lora: Any, seed: int, head: nn.Module | None = None) -> nn.Module:
     """``model`` with LoRA adapters (``models.lora``) when ``lora`` has a rank; a value head ``head`` trains fully."""
     if lora is None or lora.rank == 0:

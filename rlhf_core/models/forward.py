@@ -15,8 +15,6 @@ from the forward and are scored a chunk at a time from there.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ from torch import nn
 
 from rlhf_core.algos.losses import LOGPROB_CHUNK_ELEMENTS, chunked_token_logprobs, logprob_chunk_size
 from rlhf_core.algos.packing import Packing, plan_packing
+from rlhf_core.models.partitioned import full_copies
 
 # Families whose causal-LM forward computes exactly ``logits = lm_head(last_hidden_state)``.
 HIDDEN_PATH_MODEL_TYPES = frozenset(
@@ -73,6 +72,20 @@ def _final_hidden(model: Any, hf: nn.Module, **inputs: Any) -> torch.Tensor:
     return caught[-1]
 
 
+def _head_function(head: nn.Module) -> Any:
+    """The LM head as the chunk loop applies it. With autograd off, or a head that does not train (LoRA, a frozen
+    model), its weight is read once (under ZeRO-3 gathered once, ``partitioned.full_copies``) and applied to every
+    chunk: a module call per chunk would fetch it each time (about 1 GiB at a 128k vocabulary), and the recomputation
+    of a checkpointed chunk in backward would find a frozen, partitioned weight empty. A head that trains is called as
+    a module, so that ZeRO-3's hooks see its gradient."""
+    params = list(head.parameters())
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return head
+    copies = full_copies([head.weight] + ([head.bias] if head.bias is not None else []))
+    weight, bias = copies[0], (copies[1] if len(copies) > 1 else None)
+    return lambda h: F.linear(h, weight, bias)
+
+
 def causal_lm_logprobs(
     model: Any,
     input_ids: torch.Tensor,
@@ -83,7 +96,6 @@ def causal_lm_logprobs(
     pack: bool = True,
     chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
     with_entropy: bool = False,
-    gather: Callable[[list[nn.Parameter]], AbstractContextManager] | None = None,
 ) -> Any:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) where ``score_mask[:, t]`` is 1, 0 elsewhere.
 
@@ -98,10 +110,6 @@ def causal_lm_logprobs(
             (positions x vocabulary; at least one position).
         with_entropy: also the entropy of each scored position's next-token distribution (the actor's entropy
             bonus), from the same chunks of logits.
-        gather: a context that makes the LM head's parameters whole (``distributed.strategy.gathered``). Given, and
-            with autograd off, the head's weight is gathered once and applied to every chunk; otherwise each chunk
-            calls the head module, which under ZeRO-3 fetches its weight each time (about 1 GiB at a 128k
-            vocabulary). With autograd on, the module is called, so that ZeRO-3's hooks see the weight's gradient.
     Returns:
         (B, T-1) float32; with ``with_entropy``, (log-probs, entropies), both (B, T-1) float32.
     """
@@ -119,18 +127,9 @@ def causal_lm_logprobs(
         head = hf.get_output_embeddings()
         hidden = _final_hidden(model, hf, **inputs)[rows, cols]
         chunk = logprob_chunk_size(head.out_features, chunk_elements)
-        if gather is not None and not torch.is_grad_enabled():
-            with gather(list(head.parameters())):
-                weight, bias = head.weight, head.bias
-
-                def gathered_head(h: torch.Tensor) -> torch.Tensor:
-                    return F.linear(h, weight, bias)
-
-                scored = chunked_token_logprobs(
-                    hidden, targets, gathered_head, temperature, chunk, with_entropy=with_entropy
-                )
-        else:
-            scored = chunked_token_logprobs(hidden, targets, head, temperature, chunk, with_entropy=with_entropy)
+        scored = chunked_token_logprobs(
+            hidden, targets, _head_function(head), temperature, chunk, with_entropy=with_entropy
+        )
     else:
         logits = model(**inputs, use_cache=False).logits[rows, cols]
         chunk = logprob_chunk_size(logits.size(-1), chunk_elements)

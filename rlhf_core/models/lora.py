@@ -35,7 +35,12 @@ LORA_MARKERS = (".lora_A.", ".lora_B.", ".lora_dropout.", ".lora_embedding_", ".
 
 
 class LoraTargetError(ValueError):
-    """A LoRA target that this project cannot adapt or merge (not an ``nn.Linear``), or that matched nothing."""
+    """A LoRA target that this project cannot adapt or merge (not an ``nn.Linear``), or that matched nothing: ``key``
+    is the key under the model's section (``lora.target_modules``), ``why`` the rest of the message."""
+
+    def __init__(self, key: str, why: str):
+        super().__init__(f"{key} {why}")
+        self.key, self.why = key, why
 
 
 @dataclass(frozen=True)
@@ -78,13 +83,14 @@ def add_adapters(model: nn.Module, lora: Any, *, seed: int, trainable: Iterable[
     try:
         inject_adapter_in_model(config, model)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        raise LoraTargetError(f"lora.target_modules {lora.target_modules!r}: {str(e).splitlines()[0]}") from None
+        raise LoraTargetError("lora.target_modules", f"{lora.target_modules!r}: {str(e).splitlines()[0]}") from None
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
     for name, layer in layers.items():
         if not isinstance(layer, LoraLinear) or getattr(layer, "fan_in_fan_out", False):
             raise LoraTargetError(
-                f"lora.target_modules matches {name} ({type(layer.get_base_layer()).__name__}): only nn.Linear "
-                "layers can be adapted; name the linear projections instead"
+                "lora.target_modules",
+                f"matches {name} ({type(layer.get_base_layer()).__name__}): only nn.Linear layers can be adapted; "
+                "name the linear projections instead",
             )
     torch.manual_seed(seed)
     for layer in layers.values():
@@ -98,7 +104,7 @@ def add_adapters(model: nn.Module, lora: Any, *, seed: int, trainable: Iterable[
             found.add(name.rsplit(".", 1)[-1])
             module.requires_grad_(True)
     if saved - found:
-        raise LoraTargetError(f"lora.modules_to_save {sorted(saved - found)}: no module of that name in the model")
+        raise LoraTargetError("lora.modules_to_save", f"{sorted(saved - found)}: no module of that name in the model")
     for module in trainable:
         module.requires_grad_(True)
     return model

@@ -6,12 +6,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 
 def _partitioned(params: list[nn.Parameter]) -> list[nn.Parameter]:
     """The ZeRO-3 parameters among ``params`` whose full value is not on this rank now."""
     return [p for p in params if hasattr(p, "ds_id") and p.ds_status.name == "NOT_AVAILABLE"]
+
+
+def full_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The full values of ``params`` to read: ZeRO-3 partitioned ones gathered once, copied out (detached) and
+    released again; ordinary ones as they are (no copy). Every rank must call it for the same parameters."""
+    gathered = _partitioned(params)
+    if not gathered:
+        return list(params)
+    gathered[0].all_gather(param_list=gathered)
+    ids = {id(p) for p in gathered}
+    try:
+        return [p.data.detach().clone() if id(p) in ids else p for p in params]
+    finally:
+        gathered[0].partition(param_list=gathered)
 
 
 @contextmanager

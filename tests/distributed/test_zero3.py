@@ -75,11 +75,11 @@ def _rank_main(rank: int, port: int, queue, jobs: tuple[str, ...]) -> None:
 
 
 def _head_job(rank: int, strategy: DeepSpeedStrategy) -> dict:
-    """Log-probs of a frozen ZeRO-3 engine in chunks of 3 positions, with the LM head called per chunk and gathered
-    once (``gather``): how often the head module runs in each, and the largest difference between the two."""
+    """Log-probs of a frozen ZeRO-3 engine in chunks of 3 positions without autograd (the head's weight read once),
+    and with autograd on a head made trainable (the head module called per chunk, as a trained head is): how often
+    the head module runs in each, and the largest difference between the two."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from rlhf_core.distributed.strategy import gathered
     from rlhf_core.models.forward import causal_lm_logprobs
 
     # a 512 x 256 head: above DeepSpeed's persistence threshold (1e5 elements), so it stays partitioned and each
@@ -107,12 +107,14 @@ def _head_job(rank: int, strategy: DeepSpeedStrategy) -> dict:
     score[:, 2:6] = 1  # 12 scored positions: 4 chunks of 3
     out = {"persist": bool(head.weight.ds_persist), "scored": int(score.sum())}
     with torch.no_grad():
-        per_chunk = causal_lm_logprobs(engine, ids, mask, score, chunk_elements=3 * 512)
-        out["calls_per_chunk"], calls[0] = calls[0], 0
-        once = causal_lm_logprobs(engine, ids, mask, score, chunk_elements=3 * 512, gather=gathered)
-        out["calls_gathered"] = calls[0]
+        once = causal_lm_logprobs(engine, ids, mask, score, chunk_elements=3 * 512)
+    out["calls_read_once"], calls[0] = calls[0], 0
+    head.weight.requires_grad_(True)
+    with torch.enable_grad():
+        per_chunk = causal_lm_logprobs(engine, ids, mask, score, chunk_elements=3 * 512).detach()
+    out["calls_per_chunk"] = calls[0]
     out["max_diff"] = (per_chunk - once).abs().max().item()
-    out["status_after"] = head.weight.ds_status.name  # released again after the gathered context
+    out["status_after"] = head.weight.ds_status.name  # released again after the read
     return out
 
 
@@ -229,14 +231,14 @@ def test_zero3_construction_of_a_1gb_model_stays_well_under_its_size_on_each_ran
 
 @pytest.mark.slow
 def test_zero3_frozen_log_probs_gather_the_lm_head_once_not_per_chunk(two_rank_builds):
-    """Without autograd, a ZeRO-3 engine's chunked log-probs apply the head gathered once: the head module runs once
+    """Without autograd, a ZeRO-3 engine's chunked log-probs read the head's weight once: the head module runs once
     (the forward's empty call for its last hidden state) instead of once more per chunk, and the log-probs are the
     same."""
     for r in two_rank_builds:
         h = r["head"]
         assert h["persist"] is False and h["scored"] == 12
         assert h["calls_per_chunk"] == 1 + 4  # each a fetch of the partitioned head
-        assert h["calls_gathered"] == 1
+        assert h["calls_read_once"] == 1
         assert h["max_diff"] == 0.0
         assert h["status_after"] == "NOT_AVAILABLE"
 

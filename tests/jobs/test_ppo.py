@@ -73,6 +73,40 @@ def test_ppo_with_vllm_engine_and_two_zero3_actor_workers(run_dir):
     assert ObjectStore(str(run_dir)).is_complete("ppo") and ObjectStore(str(run_dir)).is_complete("ppo/critic")
 
 
+def test_ppo_with_lora_actor_and_critic_on_zero3_and_vllm(run_dir):
+    """LoRA adapters on the actor (ZeRO-3 over 2 workers) and the critic: the vLLM engine serves the merged policy
+    after every sync, the checkpoints hold the adapters and value head only, and the outputs are plain merged
+    models."""
+    ref = run_ppo(
+        run_dir,
+        "ppo.rollout.backend=vllm",
+        "ppo.actor.strategy.num_workers=2",
+        "ppo.actor.strategy.zero_stage=3",
+        "ppo.actor.model.lora.rank=8",
+        "ppo.actor.model.lora.alpha=16",
+        "ppo.actor.optim.lr=1e-3",
+        "ppo.critic.model.lora.rank=8",
+        "ppo.train.max_steps=2",
+        "ppo.train.save_steps=1",
+        "ppo.train.eval_prompts=8",
+    )
+    m = ref.metrics
+    assert m["steps"] == 2
+    assert m["sync_engine_vs_actor_max_diff"] < 1e-5, m  # the engine computes the adapted actor's log-probs ...
+    assert m["sync_engine_change_max"] > 1e-2, m  # ... which the adapters moved
+    assert max(h["rollout_logprob_max_diff"] for h in history_of(run_dir)) < 1e-4
+    policy, sft_weights = weights(run_dir, "ppo"), weights(run_dir, "sft")
+    assert policy.keys() == sft_weights.keys()  # a plain model: the adapters merged, no LoRA names
+    assert any(not torch.equal(policy[k], sft_weights[k]) for k in policy)
+    # the actor's checkpoint: the adapters (and their Adam states) of both ranks, far less than the model's weights
+    store = ObjectStore(str(run_dir))
+    checkpoint = store.read_manifest("ppo/checkpoints/step_00000001")
+    actor_bytes = sum(e["size"] for name, e in checkpoint.files.items() if name.startswith("actor/"))
+    model_bytes = sum(v.numel() * v.element_size() for v in sft_weights.values())
+    assert actor_bytes < model_bytes / 2, (actor_bytes, model_bytes)
+    AutoModelForSequenceClassification.from_pretrained(str(run_dir / "ppo" / "critic"))
+
+
 def test_ppo_raises_the_gold_reward_of_the_sft_policy(run_dir):
     # tiny preset: HF generate backend, 12 steps of 16 prompts x 2 samples; adaptive KL towards a token-mean target
     ref = run_ppo(run_dir, f"ppo.algo.kl_target={KL_TARGET}", f"ppo.algo.kl_horizon={KL_HORIZON}")

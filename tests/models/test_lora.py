@@ -165,3 +165,54 @@ def test_ten_syncs_leave_the_trained_weights_as_they_are(tok):
     assert len(layers) == 14 and set(layers.values()) == {2.0}  # 7 linear layers x 2 blocks, alpha 8 / rank 4
     merged = merged_state_dict(model.state_dict(), layers)
     assert all(torch.equal(merged[k], first[k]) for k in first)
+
+
+def test_zero3_trains_the_adapters_through_the_chunked_log_probs(tok, world):
+    """ZeRO-3 (the adapters built inside zero.Init): the chunked log-probs' checkpointed chunks are recomputed in
+    backward with the frozen LM head, which DeepSpeed does not gather for a frozen parameter; it is read once
+    instead. Two steps move every adapter, and every base weight stays as built."""
+    from rlhf_core.models.forward import causal_lm_logprobs
+    from rlhf_core.models.partitioned import full_copies
+
+    strategy = DeepSpeedStrategy(
+        StrategyConfig(zero_stage=3, precision="fp32"),
+        OptimConfig(lr=1e-2, lr_warmup_ratio=0.0, max_norm=0.0),
+        TrainConfig(train_batch_size=2, micro_train_batch_size=2),
+    )
+    strategy.init_distributed()
+    with strategy.model_init():
+        model = _lm(tok)
+    names = [n for n, _ in model.named_parameters()]
+    before = dict(zip(names, full_copies(list(model.parameters()))))
+    start = dict(zip(names, full_copies(list(_lm(tok).parameters()))))
+    assert all(torch.equal(before[n], start[n]) for n in names)  # the same adapters (and B = 0) as the plain build
+    engine = strategy.prepare(model, total_steps=10)
+    ids, mask = _ids(), torch.ones(2, 11, dtype=torch.long)
+    score = torch.zeros(2, 10, dtype=torch.long)
+    score[:, 3:] = 1
+    for _ in range(2):
+        loss = -causal_lm_logprobs(engine, ids, mask, score, chunk_elements=3 * 1024).sum()
+        engine.backward(loss)
+        engine.step()
+    after = dict(zip(names, full_copies(list(engine.module.parameters()))))
+    for n in names:
+        assert torch.equal(after[n], before[n]) == (".lora_" not in n), n
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sft.model.lora.target_modules=[qproj]"], r"'sft.model.lora.target_modules' \['qproj'\]: Target modules"),
+        (["sft.model.lora.target_modules=[embed_tokens]"], r"'sft.model.lora.target_modules' matches model.embed_to"),
+        (["sft.model.lora.modules_to_save=[embed]"], r"'sft.model.lora.modules_to_save' \['embed'\]: no module"),
+    ],
+)
+def test_bad_targets_are_refused_naming_the_key_before_any_worker_starts(overrides, message, tmp_path):
+    """The stage's set-up (on the driver, before any group starts) tries the adapters on the model's skeleton."""
+    from rlhf_core.config import ConfigError, load_config
+    from rlhf_core.jobs import common
+    from tests.conftest import TINY
+
+    cfg = load_config(TINY, [f"run_uri={tmp_path}", "sft.model.lora.rank=4", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        common.setup_stage(cfg, "sft")
