@@ -1,7 +1,9 @@
 """Tests under tests/gpu need a CUDA GPU: marked ``gpu`` and skipped when torch sees none (they are still collected,
-so an import error shows on CPU machines too). On a GPU machine: ``pytest tests/gpu -m gpu``."""
+so an import error shows on CPU machines too). On a GPU machine: ``pytest tests/gpu -m gpu``; the GPU check runs them
+as ``python -m pytest tests/gpu --confcutdir=tests/gpu`` (its ``pytest_gpu`` check), so nothing here may need more
+than torch, transformers, DeepSpeed and the project: no Ray, no Prefect, no vLLM, and not tests/conftest.py."""
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,11 +24,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def gpu_check():
-    """scripts/gpu_check.py as a module: the tests run its checks with smaller plans."""
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/gpu_check.py as a module: the tests run its checks with smaller plans. Imported by name from
+    scripts/ (on sys.path, which spawned processes inherit), so that the weight-sync check's receiver, a function of
+    that module, can be started in a spawned process."""
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import gpu_check
+
+    return gpu_check
 
 
 @pytest.fixture
