@@ -30,12 +30,19 @@ class LoraConfig:
         "Linear layers to adapt, by name (e.g. [q_proj, v_proj]); all-linear = every linear layer but the LM head.",
     )
     modules_to_save: list[str] = opt([], "Modules trained fully beside the adapters, by name (e.g. [embed_tokens]).")
+    load_in_4bit: bool = opt(
+        False,
+        "QLoRA: the frozen base weights of the adapted layers stored in 4-bit NF4 with double quantisation "
+        "(bitsandbytes); ZeRO 0-2. The rollout engines and the export get dequant(W) + B @ A.",
+    )
 
     def validate(self, key: str) -> None:
         check(self.rank >= 0, f"{key}.rank", self.rank, "must be >= 0 (0 = no adapters)")
         check(self.alpha > 0, f"{key}.alpha", self.alpha, "must be > 0")
         check(0 <= self.dropout < 1, f"{key}.dropout", self.dropout, "must be in [0, 1)")
         check(len(self.target_modules) > 0, f"{key}.target_modules", self.target_modules, "must name a module")
+        if self.load_in_4bit and self.rank == 0:
+            raise ConfigError(f"'{key}.load_in_4bit' quantises the base under adapters: set '{key}.rank' > 0")
 
 
 @dataclass

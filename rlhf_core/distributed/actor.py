@@ -138,10 +138,8 @@ class PolicyActor(TrainableRole):
         zero3 = self.ctx.strategy.zero_stage == 3
         out = []
         for t in merged_tensors(self.engine.module):
-            base = t.sources[0]
-            out.append(
-                (t.name, dtype_name(base.dtype), tuple(int(s) for s in (base.ds_shape if zero3 else base.shape)))
-            )
+            dtype, shape = t.meta(zero3)
+            out.append((t.name, dtype_name(dtype), shape))
         return out
 
     def _named_full_params(self, plan: list[list[int]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ from rlhf_core import curves, events, run_layout
 from rlhf_core.config import LoraConfig, OptimConfig, StrategyConfig, TrainConfig
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
-from rlhf_core.models.lora import lora_layers, merged_state_dict
+from rlhf_core.models.lora import lora_layers, merged_state_dict, merged_tensors
 from rlhf_core.storage import ObjectStore
 from rlhf_core.tracking import TrackingSpec
 
@@ -239,7 +239,9 @@ def export_hf(module: nn.Module, weights: dict, tokenizer: Any, local: Path) -> 
     """Write the Hugging Face model inside ``module`` (itself, or ``module.hf_model``) with gathered ``weights``; a
     model with LoRA adapters is written as the plain model, its adapters merged (``models.lora``)."""
     layers = lora_layers(module)
-    if layers:
+    if any(hasattr(p, "quant_state") for p in module.parameters()):  # QLoRA: dequant(W) + B @ A, from the module
+        weights = {t.name: t.value() for t in merged_tensors(module)}
+    elif layers:
         weights = merged_state_dict(weights, layers)
     hf_model = getattr(module, "hf_model", module)
     prefix = "hf_model." if hf_model is not module else ""

@@ -371,8 +371,15 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     sources = {role: fetched[model.name_or_path][1] for role, model in models.items()}
     for role, model in models.items():
         lora = getattr(model, "lora", None)
-        if lora is not None and lora.rank > 0:
+        # the trained models only: a PPO reference may be the actor's model section, and is built without adapters
+        if lora is not None and lora.rank > 0 and role in ("model", "actor", "critic"):
             scalar = role == "critic" or cfg.kind(stage) == "reward_model"
+            strategy = getattr(section, role).strategy if where else section.strategy
+            if lora.load_in_4bit and strategy.zero_stage == 3:
+                raise ConfigError(
+                    f"'{stage}.{role}{where}.lora.load_in_4bit' keeps 4-bit base weights, which ZeRO-3 cannot "
+                    f"partition: set '{stage}.{role + '.' if where else ''}strategy.zero_stage' to 2 or lower"
+                )
             check_adapters(f"{stage}.{role}{where}", model, paths[role], scalar=scalar)
     return StageSetup(
         stage, section, store, work, paths, upstream, config_hash, None, sources, cfg.kind(stage), tracked

@@ -208,11 +208,15 @@ def model_skeleton(
 
 
 def _with_adapters(model: nn.Module, lora: Any, seed: int, head: nn.Module | None = None) -> nn.Module:
-    """``model`` with LoRA adapters (``models.lora``) when ``lora`` has a rank; a value head ``head`` trains fully."""
+    """``model`` with LoRA adapters (``models.lora``) when ``lora`` has a rank, its other linear layers quantised to
+    4 bits first with ``lora.load_in_4bit`` (QLoRA); a value head ``head`` trains fully and is never quantised."""
     if lora is None or lora.rank == 0:
         return model
-    from rlhf_core.models.lora import add_adapters
+    from rlhf_core.models.lora import add_adapters, quantize_4bit
 
+    weight = next(model.parameters())
+    if lora.load_in_4bit and weight.device.type != "meta":  # (a skeleton only checks the targets)
+        quantize_4bit(model, weight.dtype, keep=[] if head is None else [head])
     if head is None:
         return add_adapters(model, lora, seed=seed)
     add_adapters(getattr(model, model.base_model_prefix), lora, seed=seed)  # the backbone; the head stays whole

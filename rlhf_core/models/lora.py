@@ -53,11 +53,65 @@ class MergedTensor:
     scaling: float | None = None
 
     def value(self) -> torch.Tensor:
-        base = self.sources[0].detach()
+        base = full_weight(self.sources[0])
         if self.scaling is None:
             return base
         a, b = (p.detach() for p in self.sources[1:])
         return merged_weight(base, a, b, self.scaling)
+
+    def meta(self, zero3: bool = False) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The value's dtype and shape without computing it (ZeRO-3: the shape before partitioning)."""
+        base = self.sources[0]
+        state = getattr(base, "quant_state", None)
+        if state is not None:  # a 4-bit weight: its dequantised dtype and shape
+            return state.dtype, tuple(int(s) for s in state.shape)
+        return base.dtype, tuple(int(s) for s in (base.ds_shape if zero3 else base.shape))
+
+
+def full_weight(param: nn.Parameter) -> torch.Tensor:
+    """A weight's value to compute with: a 4-bit (QLoRA) weight dequantised, any other as it is (detached)."""
+    state = getattr(param, "quant_state", None)
+    if state is None:
+        return param.detach()
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_4bit(param.data, state)
+
+
+def quantize_4bit(model: nn.Module, dtype: torch.dtype, keep: Iterable[nn.Module] = ()) -> nn.Module:
+    """QLoRA's base: every ``nn.Linear`` of ``model`` but its output embedding and the ``keep`` modules (a value head)
+    replaced in place by a bitsandbytes NF4 layer with double quantisation, computing in ``dtype``.
+
+    bitsandbytes repacks a 4-bit weight for a bf16 CPU kernel at its first forward in eval mode without autograd, and
+    then uses that kernel, which rounds differently and has no backward, for training too; the repacking is turned
+    off, so every forward dequantises the weight exactly and the same weights train."""
+    import bitsandbytes as bnb
+
+    skip = {id(m) for m in keep}
+    out = getattr(model, "get_output_embeddings", lambda: None)()
+    if out is not None:
+        skip.add(id(out))
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and id(m) not in skip]
+    for name, linear in targets:
+        parent, _, leaf = name.rpartition(".")
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=dtype,
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
+        weight = bnb.nn.Params4bit(
+            linear.weight.data.to(dtype), requires_grad=False, compress_statistics=True, quant_type="nf4"
+        )
+        layer.weight = weight.to(linear.weight.device)  # quantised on the move to a device
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.data, requires_grad=linear.bias.requires_grad)
+        layer.support_avx512bf16_for_cpu = False
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    return model
 
 
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -86,7 +140,8 @@ def add_adapters(model: nn.Module, lora: Any, *, seed: int, trainable: Iterable[
         raise LoraTargetError("lora.target_modules", f"{lora.target_modules!r}: {str(e).splitlines()[0]}") from None
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
     for name, layer in layers.items():
-        if not isinstance(layer, LoraLinear) or getattr(layer, "fan_in_fan_out", False):
+        linear = isinstance(layer, LoraLinear) or type(layer).__name__ == "Linear4bit"  # (peft's QLoRA layer)
+        if not linear or getattr(layer, "fan_in_fan_out", False):
             raise LoraTargetError(
                 "lora.target_modules",
                 f"matches {name} ({type(layer.get_base_layer()).__name__}): only nn.Linear layers can be adapted; "

@@ -97,6 +97,7 @@ def lora_report(model: torch.nn.Module) -> dict:
         "scaling": sorted(set(layers.values())),
         "dropout": sorted(dropout),
         "trainable_params": sum(p.numel() for _, p in trainable),
+        "weights_4bit": sum(p.dtype == torch.uint8 for p in model.parameters()),
         # what trains beside the adapters, by module name (embed_tokens, a value head's score, ...)
         "trainable_modules": sorted({n.rsplit(".", 2)[-2] for n, _ in trainable if ".lora_" not in n}),
     }

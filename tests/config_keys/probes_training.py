@@ -141,6 +141,13 @@ def lora_probes(prefix: str, observe: Any, base: tuple[str, ...] = (), slow: boo
             slow=slow,
             expect=lambda a, b: b["layers"] == ["q_proj", "v_proj"] and len(a["layers"]) == 7,
         ),
+        f"{key}.load_in_4bit": probe(
+            f"{{stage}}.{key}.load_in_4bit=true",
+            observe=observe,
+            base=on,
+            slow=slow,
+            expect=lambda a, b: a["weights_4bit"] == 0 and b["weights_4bit"] > 0,
+        ),
         f"{key}.modules_to_save": probe(
             f"{{stage}}.{key}.modules_to_save=[embed_tokens]",
             observe=observe,

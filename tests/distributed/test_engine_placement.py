@@ -21,7 +21,7 @@ from rlhf_core.distributed.rollout.vllm_engine import VLLMEngine
 from rlhf_core.distributed.weight_sync.buckets import MIB, bucket_plan, spec_of
 from rlhf_core.distributed.weight_sync.sender import connect_weight_sync, sync_weights
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
-from rlhf_core.models.lora import add_adapters, merged_tensors
+from rlhf_core.models.lora import add_adapters, merged_tensors, quantize_4bit
 from tests.distributed.test_rollout_engine import (
     check_responses,
     failing,
@@ -162,10 +162,22 @@ def test_vllm_tp2_generates_syncs_both_workers_in_buckets_in_its_placement_group
     # adapters. The same comparison catches it.
     planted = sync_named([(t.name, t.sources[0].detach()) for t in merged_tensors(lora_model)])
     assert planted > 0.01, planted
+    # QLoRA: the trainer's base in 4-bit nf4; the engine (unquantised) gets dequant(W) + s B A, and computes what the
+    # 4-bit trainer computes
+    qlora_model = add_adapters(
+        quantize_4bit(copy.deepcopy(model), torch.float32), LoraConfig(rank=8, alpha=16.0, load_in_4bit=True), seed=0
+    )
+    with torch.no_grad():
+        for name, param in qlora_model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.05, generator=gen)
+    lora_target = hf_logprobs(qlora_model, seqs)
+    qlora_gap = sync_named([(t.name, t.value()) for t in merged_tensors(qlora_model)])
+    assert qlora_gap < 1e-5, qlora_gap
     print(
         f"\nvLLM TP=2 engine (24M) start {start_s:.1f} s, served log-probs vs HF {served:.1e}, sync in {buckets} "
         f"buckets {sync_s:.2f} s, log-prob diff before {before:.3f} after {after:.1e} / {after2:.1e}, aborted sync "
-        f"{abort_s:.2f} s, LoRA merged sync {lora_gap:.1e} (base-only planted: {planted:.3f})"
+        f"{abort_s:.2f} s, LoRA merged sync {lora_gap:.1e} (base-only planted: {planted:.3f}), QLoRA {qlora_gap:.1e}"
     )
 
     engines.shutdown()

@@ -205,6 +205,11 @@ def test_zero3_trains_the_adapters_through_the_chunked_log_probs(tok, world):
         (["sft.model.lora.target_modules=[qproj]"], r"'sft.model.lora.target_modules' \['qproj'\]: Target modules"),
         (["sft.model.lora.target_modules=[embed_tokens]"], r"'sft.model.lora.target_modules' matches model.embed_to"),
         (["sft.model.lora.modules_to_save=[embed]"], r"'sft.model.lora.modules_to_save' \['embed'\]: no module"),
+        (
+            ["sft.model.lora.load_in_4bit=true", "sft.strategy.zero_stage=3"],
+            r"'sft.model.lora.load_in_4bit' keeps 4-bit base weights, which ZeRO-3 cannot partition: set "
+            r"'sft.strategy.zero_stage' to 2 or lower",
+        ),
     ],
 )
 def test_bad_targets_are_refused_naming_the_key_before_any_worker_starts(overrides, message, tmp_path):
@@ -216,3 +221,50 @@ def test_bad_targets_are_refused_naming_the_key_before_any_worker_starts(overrid
     cfg = load_config(TINY, [f"run_uri={tmp_path}", "sft.model.lora.rank=4", *overrides])
     with pytest.raises(ConfigError, match=message):
         common.setup_stage(cfg, "sft")
+
+
+QLORA = LoraConfig(rank=4, alpha=8.0, load_in_4bit=True)
+
+
+def _dequantised_twin(tok, model):
+    """A plain fp32 model holding ``model``'s merged weights (dequant(W) + s B A): what the engines and the export
+    get."""
+    twin = _lm(tok, lora=None)
+    twin.load_state_dict({t.name: t.value() for t in merged_tensors(model)})
+    return twin
+
+
+def test_qlora_trains_the_adapters_over_a_4bit_base_and_serves_its_dequantised_merge(tok, world, tmp_path):
+    """nf4 on this CPU (bitsandbytes' CPU backend): the base weights are 4-bit and stay so bit for bit, the adapters
+    train, and the model computes exactly dequant(W) + s B A: the merged weights the export holds."""
+    import bitsandbytes as bnb
+
+    model = _lm(tok, lora=QLORA)
+    q_proj = model.model.layers[0].self_attn.q_proj.get_base_layer()
+    assert isinstance(q_proj, bnb.nn.Linear4bit) and q_proj.weight.dtype == torch.uint8
+    assert type(model.lm_head) is torch.nn.Linear  # the LM head stays whole
+    packed = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    assert len(packed) == 14
+    plain = _lm(tok, lora=None)
+    with torch.no_grad():
+        # nf4 rounds the base: the quantised model differs from the fp32 one, and equals its dequantised twin
+        assert (model(_ids()).logits - plain(_ids()).logits).abs().max().item() > 1e-3
+        assert (model(_ids()).logits - _dequantised_twin(tok, model)(_ids()).logits).abs().max().item() < 1e-5
+    strategy, engine = _engine(model)
+    for seed in (0, 1):
+        _step(engine, seed)
+    after = dict(engine.module.named_parameters())
+    assert all(torch.equal(after[n], v) for n, v in packed.items())
+    engine.module.eval()  # a forward in eval mode without autograd, as the roles' experience forwards
+    with torch.no_grad():
+        trained = engine.module(_ids(2)).logits
+        assert (trained - _dequantised_twin(tok, engine.module)(_ids(2)).logits).abs().max().item() < 1e-5
+    engine.module.train()
+    _step(engine, 2)  # and training goes on after it, through the same exact kernel
+    with torch.no_grad():
+        trained = engine.module(_ids(2)).logits
+    path = export_hf(engine.module, strategy.full_state_dict(engine), tok, tmp_path / "qlora")
+    exported = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not getattr(exported.config, "quantization_config", None)
+    with torch.no_grad():
+        assert (exported(_ids(2)).logits - trained).abs().max().item() < 1e-5
