@@ -73,6 +73,7 @@ METHODS = {
     "reinforce": _evaluated("tiny-reinforce", "eval_reinforce"),
     "rloo": _evaluated("tiny-rloo", "eval_rloo"),
     "rlvr": _evaluated("tiny-rlvr", "eval_rlvr"),
+    "qlora_dpo": _evaluated("tiny-qlora-dpo", "eval_dpo"),
     "ppo": Method(
         "tiny",
         ("ppo", "gold_reward_before"),
@@ -80,6 +81,13 @@ METHODS = {
         ("ppo", "kl_to_ref_after"),
         note="the ppo stage's own evaluation (64 prompts, 1 response each, 16 new tokens) of tiny.yaml's own SFT "
         "policy (512 SFT samples), not eval_sft",
+    ),
+    "lora": Method(
+        "tiny-lora",
+        ("ppo", "gold_reward_before"),
+        ("ppo", "gold_reward_after"),
+        ("ppo", "kl_to_ref_after"),
+        note="PPO with LoRA actor and critic, evaluated as ppo",
     ),
 }
 

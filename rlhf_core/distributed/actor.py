@@ -17,8 +17,9 @@ from rlhf_core.algos.ppo import aggregate_loss, distributed_masked_whiten, kl_lo
 from rlhf_core.distributed.role_base import TrainableRole, WindowNorm, logprob_temperature
 from rlhf_core.distributed.weight_sync.buckets import dtype_name
 from rlhf_core.models.builders import build_causal_lm
+from rlhf_core.models.checkpoint_names import checkpoint_pieces
 from rlhf_core.models.forward import causal_lm_logprobs
-from rlhf_core.models.lora import merged_tensors
+from rlhf_core.models.lora import MergedTensor, merged_tensors
 
 if TYPE_CHECKING:
     from rlhf_core.distributed.rollout.group import EngineHandles
@@ -132,32 +133,56 @@ class PolicyActor(TrainableRole):
                 engines, s.rank, s.world_size, s.broadcast_object, backend=backend, bucket_mb=bucket_mb
             )
 
-    def _param_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """Every weight's full spec under its checkpoint name (ZeRO-3: from ``ds_shape``, the shape before
-        partitioning); a LoRA layer's weight is its merged one (``models.lora.merged_tensors``)."""
+    def _sync_plan(self) -> tuple[list[MergedTensor], list[tuple[str, str, tuple[int, ...]]], list[int]]:
+        """What a weight push sends: the weights (``models.lora.merged_tensors``: a LoRA layer's merged), the spec of
+        each tensor sent, and for each spec the index of the weight it comes from. To vLLM engines each weight goes
+        as the pieces its checkpoint stores (``models.checkpoint_names``: an MoE layer's fused experts one matrix per
+        expert); to HF engines (a state dict) as the model holds it. ZeRO-3: shapes from ``ds_shape``."""
         zero3 = self.ctx.strategy.zero_stage == 3
-        out = []
-        for t in merged_tensors(self.engine.module):
-            dtype, shape = t.meta(zero3)
-            out.append((t.name, dtype_name(dtype), shape))
-        return out
-
-    def _named_full_params(self, plan: list[list[int]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights in order, under their checkpoint names, a LoRA layer's merged out of place. ZeRO-3: the
-        sources of one bucket of ``plan`` gathered together (every rank takes part in each gather); a bucket's
-        tensors stay valid until the next bucket is requested, which is when the sender has packed them."""
         tensors = merged_tensors(self.engine.module)
+        specs, owners = [], []
+        for i, t in enumerate(tensors):
+            dtype, shape = t.meta(zero3)
+            for name, piece in self._pieces(t.name, torch.empty(shape, dtype=dtype, device="meta")):
+                specs.append((name, dtype_name(piece.dtype), tuple(int(s) for s in piece.shape)))
+                owners.append(i)
+        return tensors, specs, owners
+
+    def _pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if getattr(self, "sender", None) is None:  # HF engines load the model's own state dict
+            return [(name, tensor)]
+        return checkpoint_pieces(self.engine.module, name, tensor)
+
+    def _named_full_params(
+        self, tensors: list[MergedTensor], plan: list[list[int]], owners: list[int]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of the specs in order (``_sync_plan``), full values. ZeRO-3: for each bucket of ``plan`` the
+        sources of the weights it needs gathered together (every rank takes part in each gather); a bucket's tensors
+        stay valid until the next bucket is requested, which is when the sender has packed them; pieces of a weight
+        that belong to a later bucket are kept as copies until then."""
         if self.ctx.strategy.zero_stage != 3:
             for t in tensors:
-                yield t.name, t.value()
+                yield from self._pieces(t.name, t.value())
             return
         import deepspeed
 
+        first = {}  # the first spec index of each weight
+        for j, i in enumerate(owners):
+            first.setdefault(i, j)
+        kept: dict[int, tuple[str, torch.Tensor]] = {}
         for bucket in plan:
-            sources = [p for i in bucket for p in tensors[i].sources]
-            with deepspeed.zero.GatheredParameters(sources):
-                for i in bucket:
-                    yield tensors[i].name, tensors[i].value()
+            need = sorted({owners[j] for j in bucket if j not in kept})
+            with deepspeed.zero.GatheredParameters([p for i in need for p in tensors[i].sources]):
+                here: dict[int, tuple[str, torch.Tensor]] = {}
+                for i in need:
+                    for k, piece in enumerate(self._pieces(tensors[i].name, tensors[i].value())):
+                        j = first[i] + k
+                        if j in bucket:
+                            here[j] = piece
+                        else:
+                            kept[j] = (piece[0], piece[1].clone())
+                for j in bucket:
+                    yield here.pop(j) if j in here else kept.pop(j)
 
     def push_weights(self) -> dict[str, float]:
         """Collective over the actor ranks: send every parameter to the engines. Returns rank 0's sync metrics
@@ -167,8 +192,8 @@ class PolicyActor(TrainableRole):
         from rlhf_core.distributed.weight_sync.sender import sync_weights
 
         start = time.perf_counter()
-        specs = self._param_specs()
-        named = self._named_full_params(bucket_plan(specs, self.bucket_bytes))
+        tensors, specs, owners = self._sync_plan()
+        named = self._named_full_params(tensors, bucket_plan(specs, self.bucket_bytes), owners)
         rank = self.strategy.rank
         if rank != 0:
             if self.sender is not None:  # cuda_ipc: this rank serves the engine workers on its GPU

@@ -386,7 +386,7 @@ def actor_sync_plan(cfg: PipelineConfig, stage: str) -> Any:
         try:
             c.start()
             actor = c.actor.obj
-            return [len(b) for b in bucket_plan(actor._param_specs(), actor.bucket_bytes)]
+            return [len(b) for b in bucket_plan(actor._sync_plan()[1], actor.bucket_bytes)]
         finally:
             c.shutdown()
 
