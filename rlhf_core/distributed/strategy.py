@@ -96,6 +96,7 @@ class DeepSpeedStrategy:
             optimizer = torch.optim.AdamW(params, **kwargs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o, total_steps))
         _import_muon_uncompiled()
+        moe_leaf_modules(model, config)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         return engine
 
@@ -115,6 +116,7 @@ class DeepSpeedStrategy:
                     if param.is_floating_point():
                         param.data = param.data.to(torch.bfloat16)
             config = {**config, "zero_optimization": {"stage": 0}, "bf16": {"enabled": False}}
+        moe_leaf_modules(model, config)
         engine, *_ = deepspeed.initialize(model=model, config=config)
         return engine
 
@@ -207,6 +209,21 @@ def offload_training_states(engine: Any, pin_memory: bool) -> None:
         done.add(OffloadStateTypeEnum.optim_states)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def moe_leaf_modules(model: nn.Module, config: dict) -> list[type]:
+    """ZeRO-3: mark each Mixture-of-Experts block class of ``model`` (``*SparseMoeBlock``) as a leaf module, so that
+    its parameters are gathered together when the block runs. Otherwise ZeRO-3 fetches each expert as the router
+    picks it, the ranks route their tokens to different experts, and their collectives no longer match: the group
+    hangs (DeepSpeed's ``set_z3_leaf_modules``, as OpenRLHF does). Returns the classes marked."""
+    if config["zero_optimization"]["stage"] != 3:
+        return []
+    classes = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")}, key=str)
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, classes)
+    return classes
 
 
 def _has_frozen(engine: Any) -> bool:
@@ -409,6 +426,7 @@ class FrozenStrategy:
 
         with self._hf_zero3.partitioned():
             model = make()
+        moe_leaf_modules(model, self.engine_config)
         engine, *_ = deepspeed.initialize(model=model, config=self.engine_config)
         engine.eval()
         return engine
