@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhf_core.algos.losses import LOGPROB_CHUNK_ELEMENTS, chunked_token_logprobs, logprob_chunk_size
+from rlhf_core.algos.moe import load_balancing_loss
 from rlhf_core.algos.packing import Packing, plan_packing
 from rlhf_core.models.partitioned import full_copies
 
@@ -57,19 +58,31 @@ def uses_hidden_path(hf: nn.Module) -> bool:
     )
 
 
-def _final_hidden(model: Any, hf: nn.Module, **inputs: Any) -> torch.Tensor:
-    """The base model's last hidden state of a forward of ``model`` that computes no logits."""
-    caught: list[torch.Tensor] = []
+def _final_hidden(model: Any, hf: nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    """The base model's last hidden state of a forward of ``model`` that computes no logits, and its router logits
+    (an MoE model asked for them with ``output_router_logits``; else None)."""
+    caught: list[Any] = []
 
     def catch(_module: nn.Module, _args: Any, output: Any) -> None:
-        caught.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+        caught.append(output)
 
     handle = hf.base_model.register_forward_hook(catch)
     try:
         model(**inputs, logits_to_keep=_NO_POSITION.to(inputs["input_ids"].device), use_cache=False)
     finally:
         handle.remove()
-    return caught[-1]
+    out = caught[-1]
+    if isinstance(out, tuple):
+        return out[0], None
+    return out.last_hidden_state, getattr(out, "router_logits", None)
+
+
+def _append_aux_loss(aux_loss: list, hf: nn.Module, router_logits: Any, real: torch.Tensor) -> None:
+    """The MoE load-balancing loss of the forward over its ``real`` tokens (``algos.moe``), appended to
+    ``aux_loss``; a model without a router refuses."""
+    if not router_logits:
+        raise ValueError(f"{type(hf).__name__} returned no router logits: the MoE auxiliary loss needs an MoE model")
+    aux_loss.append(load_balancing_loss(router_logits, int(hf.config.num_experts_per_tok), real.reshape(-1)))
 
 
 def _head_function(head: nn.Module) -> Any:
@@ -96,6 +109,7 @@ def causal_lm_logprobs(
     pack: bool = True,
     chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
     with_entropy: bool = False,
+    aux_loss: list | None = None,
 ) -> Any:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) where ``score_mask[:, t]`` is 1, 0 elsewhere.
 
@@ -110,6 +124,8 @@ def causal_lm_logprobs(
             (positions x vocabulary; at least one position).
         with_entropy: also the entropy of each scored position's next-token distribution (the actor's entropy
             bonus), from the same chunks of logits.
+        aux_loss: a Mixture-of-Experts model's load-balancing loss of this forward, over its real tokens only (packed
+            rows end in filler tokens, which the router still routes), is appended to this list.
     Returns:
         (B, T-1) float32; with ``with_entropy``, (log-probs, entropies), both (B, T-1) float32.
     """
@@ -120,20 +136,28 @@ def causal_lm_logprobs(
         packing = packing_for(hf, attention_mask)
         inputs = {"input_ids": packing.pack(input_ids), "position_ids": packing.position_ids}
         rows, cols = packing.locate(b, t)
+        real = packing.pack(attention_mask)
     else:
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         rows, cols = b, t
+        real = attention_mask
+    if aux_loss is not None:
+        inputs["output_router_logits"] = True
     if uses_hidden_path(hf):
         head = hf.get_output_embeddings()
-        hidden = _final_hidden(model, hf, **inputs)[rows, cols]
+        hidden, router_logits = _final_hidden(model, hf, **inputs)
+        hidden = hidden[rows, cols]
         chunk = logprob_chunk_size(head.out_features, chunk_elements)
         scored = chunked_token_logprobs(
             hidden, targets, _head_function(head), temperature, chunk, with_entropy=with_entropy
         )
     else:
-        logits = model(**inputs, use_cache=False).logits[rows, cols]
+        output = model(**inputs, use_cache=False)
+        logits, router_logits = output.logits[rows, cols], getattr(output, "router_logits", None)
         chunk = logprob_chunk_size(logits.size(-1), chunk_elements)
         scored = chunked_token_logprobs(logits, targets, nn.Identity(), temperature, chunk, with_entropy=with_entropy)
+    if aux_loss is not None:
+        _append_aux_loss(aux_loss, hf, router_logits, real)
     parts = scored if with_entropy else (scored,)
     outs = []
     for values in parts:
