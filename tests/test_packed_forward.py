@@ -126,8 +126,8 @@ def test_packed_and_padded_training_losses_and_gradients_agree(tok, lm):
 
 
 def _packing(packing: bool) -> SimpleNamespace:
-    """The part of a stage's ``StageContext`` that its loss reads: ``strategy.packing``."""
-    return SimpleNamespace(strategy=StrategyConfig(packing=packing))
+    """The part of a stage's ``StageContext`` that its loss reads: ``strategy.packing`` (and no MoE auxiliary loss)."""
+    return SimpleNamespace(strategy=StrategyConfig(packing=packing), aux_loss_coef=0.0)
 
 
 def _rows(seq) -> list[list[int]]:

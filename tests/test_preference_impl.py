@@ -55,7 +55,9 @@ def _section(path, kind: str, *overrides: str):
 
 def _ctx():
     """The part of a rank's ``StageContext`` that building the policy reads."""
-    return SimpleNamespace(model_path="builtin:tiny", init_seed=0, trust_remote_code=False, lora=None)
+    return SimpleNamespace(
+        model_path="builtin:tiny", init_seed=0, trust_remote_code=False, lora=None, aux_loss_coef=0.0
+    )
 
 
 def _dpo(p: DPOConfig, reference: str | None = None) -> DPOTrainer:

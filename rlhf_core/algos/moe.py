@@ -8,6 +8,7 @@ still routes, so the loss is computed here with an explicit mask of the real tok
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,3 +36,17 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int, mask:
         probs = probs + (p * weights[:, None]).sum(0)
     rows = weights.sum() * len(router_logits)
     return experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def with_aux_loss(loss: torch.Tensor, aux_loss: list[torch.Tensor] | None, coef: float) -> tuple[torch.Tensor, dict]:
+    """``loss + coef * mean(aux_loss)`` and the stat ``aux_loss`` (the mean), for a loss whose forwards collected
+    their MoE load-balancing losses in ``aux_loss``; ``loss`` and no stat when nothing was collected (None)."""
+    if aux_loss is None:
+        return loss, {}
+    aux = torch.stack([a.to(loss.device) for a in aux_loss]).mean()
+    return loss + coef * aux, {"aux_loss": aux.item()}
+
+
+def aux_list(coef: float) -> Any:
+    """The list a forward collects its MoE load-balancing loss in (``models.forward``), or None when ``coef`` is 0."""
+    return [] if coef else None

@@ -50,9 +50,15 @@ class TrainedModelConfig(ModelConfig):
     """A model that a stage trains: fully, or through LoRA adapters."""
 
     lora: LoraConfig = opt(LoraConfig(), "LoRA adapters (rank 0: full fine-tuning).")
+    aux_loss_coef: float = opt(
+        0.0,
+        "Mixture-of-Experts models: weight of the router's load-balancing loss (over the real tokens) added to the "
+        "loss; 0 = none.",
+    )
 
     def validate(self, key: str) -> None:
         self.lora.validate(f"{key}.lora")
+        check(self.aux_loss_coef >= 0, f"{key}.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from torch import nn
 from rlhf_core.algos.advantages import whitens
 from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.losses import masked_mean
+from rlhf_core.algos.moe import aux_list, with_aux_loss
 from rlhf_core.algos.ppo import aggregate_loss, distributed_masked_whiten, kl_loss_tokens, policy_loss_tokens
 from rlhf_core.distributed.role_base import TrainableRole, WindowNorm, logprob_temperature
 from rlhf_core.distributed.weight_sync.buckets import dtype_name
@@ -25,9 +26,17 @@ if TYPE_CHECKING:
     from rlhf_core.distributed.rollout.group import EngineHandles
 
 
-def _logprobs(model: Any, batch: SequenceBatch, temperature: float, pack: bool, with_entropy: bool = False) -> Any:
+def _logprobs(
+    model: Any,
+    batch: SequenceBatch,
+    temperature: float,
+    pack: bool,
+    with_entropy: bool = False,
+    aux_loss: list | None = None,
+) -> Any:
     """(N, T-1) log-probs of the action tokens (0 elsewhere): packed, chosen tokens only (``models.forward``);
-    ``with_entropy``: (log-probs, entropies), both (N, T-1)."""
+    ``with_entropy``: (log-probs, entropies), both (N, T-1); ``aux_loss``: collects an MoE model's load-balancing
+    loss."""
     return causal_lm_logprobs(
         model,
         batch.input_ids,
@@ -36,6 +45,7 @@ def _logprobs(model: Any, batch: SequenceBatch, temperature: float, pack: bool, 
         temperature=logprob_temperature(temperature),
         pack=pack,
         with_entropy=with_entropy,
+        aux_loss=aux_loss,
     )
 
 
@@ -78,11 +88,11 @@ class PolicyActor(TrainableRole):
         temperature, pack = self.ctx.temperature, self.ctx.strategy.packing
 
         def loss_fn(model: Any, micro: Experience, norm: WindowNorm) -> tuple[torch.Tensor, dict]:
-            mask = micro.action_mask
+            mask, aux = micro.action_mask, aux_list(self.ctx.aux_loss_coef)
             if a.entropy_coef > 0:
-                logp, entropy = _logprobs(model, micro, temperature, pack, with_entropy=True)
+                logp, entropy = _logprobs(model, micro, temperature, pack, with_entropy=True, aux_loss=aux)
             else:
-                logp, entropy = _logprobs(model, micro, temperature, pack), None
+                logp, entropy = _logprobs(model, micro, temperature, pack, aux_loss=aux), None
             loss_t, stats = policy_loss_tokens(
                 logp,
                 micro.old_logprobs,
@@ -109,7 +119,8 @@ class PolicyActor(TrainableRole):
                 num_sequences=norm.sequences,
                 norm_len=self.ctx.max_new_tokens,
             )
-            return loss, stats
+            loss, extra = with_aux_loss(loss, aux, self.ctx.aux_loss_coef)  # (DeepSpeed averages it over the window)
+            return loss, {**stats, **extra}
 
         stats = self.train_epochs(exp, step, loss_fn)
         return {"policy_loss" if k == "loss" else k: v for k, v in stats.items()}

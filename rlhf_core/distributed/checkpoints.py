@@ -54,6 +54,7 @@ class StageContext:
     kind: str = ""  # the stage's kind (sft, reward_model, dpo, kto): the curves' title
     tracking: TrackingSpec | None = None  # the experiment trackers rank 0 logs to (rlhf_core.tracking)
     lora: LoraConfig | None = None  # <stage>.model.lora: LoRA adapters (rank 0: none)
+    aux_loss_coef: float = 0.0  # <stage>.model.aux_loss_coef: the MoE load-balancing loss's weight
 
 
 def start_rank(ctx: StageContext) -> tuple[StageContext, DeepSpeedStrategy, ObjectStore, Path]:

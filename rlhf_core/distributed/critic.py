@@ -9,17 +9,24 @@ import torch
 from torch import nn
 
 from rlhf_core.algos.experience import Experience, SequenceBatch
+from rlhf_core.algos.moe import aux_list, with_aux_loss
 from rlhf_core.algos.ppo import normalize_scores, value_loss
 from rlhf_core.distributed.role_base import TrainableRole, WindowNorm
 from rlhf_core.models.builders import ScalarHeadModel, build_scalar_model
 from rlhf_core.models.forward import scalar_values
 
 
-def _values(model: Any, batch: SequenceBatch, reward_stats: tuple[float, float] | None, pack: bool) -> torch.Tensor:
+def _values(
+    model: Any,
+    batch: SequenceBatch,
+    reward_stats: tuple[float, float] | None,
+    pack: bool,
+    aux_loss: list | None = None,
+) -> torch.Tensor:
     """(N, T-1): the value of the state after token t, aligned with the log-prob of token t+1. With reward
     normalisation on, (raw head - reward_mean) / reward_std, the scale of the normalised rewards (as OpenRLHF's
-    critic does), in training and at rollout alike."""
-    values = scalar_values(model, batch.input_ids, batch.attention_mask, pack=pack)[:, :-1]
+    critic does), in training and at rollout alike. ``aux_loss``: collects an MoE backbone's load-balancing loss."""
+    values = scalar_values(model, batch.input_ids, batch.attention_mask, pack=pack, aux_loss=aux_loss)[:, :-1]
     return values if reward_stats is None else normalize_scores(values, *reward_stats)
 
 
@@ -48,8 +55,13 @@ class CriticActor(TrainableRole):
         clip, stats, pack = self.ctx.algo.value_clip, self.ctx.reward_stats, self.ctx.strategy.packing
 
         def loss_fn(model: Any, micro: Experience, norm: WindowNorm) -> tuple[torch.Tensor, dict]:
-            values = _values(model, micro, stats, pack)
-            return value_loss(values, micro.values, micro.returns, micro.action_mask, clip, num_tokens=norm.tokens)
+            aux = aux_list(self.ctx.aux_loss_coef)
+            values = _values(model, micro, stats, pack, aux)
+            loss, out = value_loss(
+                values, micro.values, micro.returns, micro.action_mask, clip, num_tokens=norm.tokens
+            )
+            loss, extra = with_aux_loss(loss, aux, self.ctx.aux_loss_coef)
+            return loss, {**out, **extra}
 
         stats_out = self.train_epochs(exp, step, loss_fn)
         return {f"critic_{k}" if not k.startswith("value") else k: v for k, v in stats_out.items()}

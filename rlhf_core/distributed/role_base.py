@@ -50,6 +50,7 @@ class RoleContext:
     reward_stats: tuple[float, float] | None = None  # (mean, std) of the reward model when normalize_reward is on
     trains: bool = True  # False: forwards only (the critic warm-up's actor), an engine without optimizer
     lora: LoraConfig | None = None  # <stage>.<role>.model.lora: LoRA adapters (rank 0: none)
+    aux_loss_coef: float = 0.0  # <stage>.<role>.model.aux_loss_coef: the MoE load-balancing loss's weight
 
 
 @dataclass(frozen=True)

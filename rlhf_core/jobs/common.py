@@ -319,6 +319,7 @@ class StageSetup:
             init_seed=s.model.init_seed,
             trust_remote_code=s.model.trust_remote_code,
             lora=getattr(s.model, "lora", None),
+            aux_loss_coef=getattr(s.model, "aux_loss_coef", 0.0),
             strategy=s.strategy,
             optim=s.optim,
             train=s.train,
@@ -372,6 +373,8 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     for role, model in models.items():
         lora = getattr(model, "lora", None)
         # the trained models only: a PPO reference may be the actor's model section, and is built without adapters
+        if getattr(model, "aux_loss_coef", 0.0) and role in ("model", "actor", "critic"):
+            check_router(f"{stage}.{role}{where}", model, paths[role])
         if lora is not None and lora.rank > 0 and role in ("model", "actor", "critic"):
             scalar = role == "critic" or cfg.kind(stage) == "reward_model"
             strategy = getattr(section, role).strategy if where else section.strategy
@@ -395,6 +398,18 @@ def check_adapters(key: str, model: Any, path: str, *, scalar: bool) -> None:
         model_skeleton(path, tokenizer, model.lora, scalar=scalar, trust_remote_code=model.trust_remote_code)
     except LoraTargetError as e:
         raise ConfigError(f"'{key}.{e.key}' {e.why}") from None
+
+
+def check_router(key: str, model: Any, path: str) -> None:
+    """``aux_loss_coef`` is set on the model at ``key``: it must be a Mixture-of-Experts model (its config has
+    ``output_router_logits``, as transformers' MoE configs do), else ``ConfigError`` naming the key."""
+    tokenizer = load_tokenizer(path, model.tokenizer, trust_remote_code=model.trust_remote_code)
+    config = model_skeleton(path, tokenizer, trust_remote_code=model.trust_remote_code).config
+    if getattr(config, "output_router_logits", None) is None:
+        raise ConfigError(
+            f"'{key}.aux_loss_coef' is the load-balancing loss of a Mixture-of-Experts model, and {path} "
+            f"({config.model_type}) has no router: set it to 0"
+        )
 
 
 def is_data_key(key: str) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rlhf_core import events
+from rlhf_core.algos.moe import aux_list, with_aux_loss
 from rlhf_core.algos.preference import PreferenceStats, dpo_loss
 from rlhf_core.config import DPOConfig, PipelineConfig
 from rlhf_core.data.examples import preference_examples
@@ -188,8 +189,8 @@ class DPOTrainer:
         self, model: Any, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, PreferenceStats, torch.Tensor | None]:
         """The loss (with the NLL term when ``nll_loss_coef`` is set), DPO's statistics and the NLL term."""
-        p = self.p
-        logps, tokens = response_logprobs(model, batch, self.packing)
+        p, aux = self.p, aux_list(self.ctx.aux_loss_coef)
+        logps, tokens = response_logprobs(model, batch, self.packing, aux)
         ref = reference_logps(batch, self.online, self.build)
         half = logps.size(0) // 2
         stats = dpo_loss(logps[:half], logps[half:], ref[:half], ref[half:], p.beta, p.loss_type, p.label_smoothing)
@@ -199,6 +200,7 @@ class DPOTrainer:
             mask = batch["loss_mask"][:half, 1:].to(tokens.dtype)
             nll = -(tokens[:half] * mask).sum() / mask.sum().clamp(min=1)
             loss = loss + p.nll_loss_coef * nll
+        loss, self.aux_stats = with_aux_loss(loss, aux, self.ctx.aux_loss_coef)
         return loss, stats, nll
 
     def loss(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -211,7 +213,7 @@ class DPOTrainer:
         }
         if nll is not None:
             out["nll"] = nll.item()
-        return loss, out
+        return loss, {**out, **self.aux_stats}
 
     @torch.no_grad()
     def evaluate(self, model: Any, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:

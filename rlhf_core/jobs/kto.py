@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core import events
+from rlhf_core.algos.moe import aux_list, with_aux_loss
 from rlhf_core.algos.preference import KTOStats, kl_reference_point, kto_loss
 from rlhf_core.config import KTOConfig, PipelineConfig
 from rlhf_core.data.examples import kto_examples
@@ -190,7 +191,8 @@ class KTOTrainer:
         half = batch["desirable"].numel()
         rows = {k: v[:half] for k, v in batch.items() if k != "desirable"}
         mismatched = {k: v[half:] for k, v in batch.items() if k != "desirable"}
-        logps, _ = response_logprobs(model, rows, self.packing)
+        aux = aux_list(self.ctx.aux_loss_coef)
+        logps, _ = response_logprobs(model, rows, self.packing, aux)
         with torch.no_grad():  # the reference point is a constant of the loss: no graph for the mismatched rows
             kl_logps, _ = response_logprobs(model, mismatched, self.packing)
         kl = kl_reference_point(kl_logps, reference_logps(mismatched, self.online, self.build), clamp=False)
@@ -198,14 +200,16 @@ class KTOTrainer:
             kl = device.all_reduce_sum(kl.detach().clone()) / dist.get_world_size()
         ref = reference_logps(rows, self.online, self.build)
         weights = p.desirable_weight, p.undesirable_weight
-        return kto_loss(logps, ref, batch["desirable"], None, None, p.beta, *weights, kl=kl)
+        stats = kto_loss(logps, ref, batch["desirable"], None, None, p.beta, *weights, kl=kl)
+        loss, self.aux_stats = with_aux_loss(stats.loss, aux, self.ctx.aux_loss_coef)
+        return stats._replace(loss=loss)
 
     def loss(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         stats = self.stats(model, batch)
         good = batch["desirable"].to(stats.rewards.device)
         # the same keys on every rank and micro-batch (the loop all-reduces each): 0 for a side the batch lacks
         means = {"chosen_reward": 0.0, "rejected_reward": 0.0, "margin": 0.0, **reward_means(stats.rewards, good)}
-        return stats.loss, {"kl": stats.kl.item(), **means}
+        return stats.loss, {"kl": stats.kl.item(), **means, **self.aux_stats}
 
     @torch.no_grad()
     def evaluate(self, model: Any, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -195,6 +195,7 @@ class PPOController:
             init_seed=model.init_seed,
             trust_remote_code=model.trust_remote_code,
             lora=model.lora,
+            aux_loss_coef=model.aux_loss_coef,
             strategy=section.strategy,
             optim=section.optim,
             stage=self.stage,

@@ -52,10 +52,15 @@ def response_tensors(seqs: list[Sequence], pad_id: int) -> dict[str, torch.Tenso
     }
 
 
-def response_logprobs(model: Any, batch: dict[str, torch.Tensor], pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """((B,) summed response log-probs, (B, T-1) token log-probs) of the batch's rows under ``model``."""
+def response_logprobs(
+    model: Any, batch: dict[str, torch.Tensor], pack: bool, aux_loss: list | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B,) summed response log-probs, (B, T-1) token log-probs) of the batch's rows under ``model``
+    (``aux_loss``: collects an MoE model's load-balancing loss)."""
     action = batch["loss_mask"][:, 1:]
-    tokens = causal_lm_logprobs(model, batch["input_ids"], batch["attention_mask"], action, pack=pack)
+    tokens = causal_lm_logprobs(
+        model, batch["input_ids"], batch["attention_mask"], action, pack=pack, aux_loss=aux_loss
+    )
     return sequence_logprobs(tokens, action.to(tokens.dtype)), tokens
 
 

@@ -19,6 +19,7 @@ import torch
 
 from rlhf_core import events
 from rlhf_core.algos.losses import pairwise_reward_loss
+from rlhf_core.algos.moe import aux_list, with_aux_loss
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.examples import pad_right, preference_examples
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
@@ -153,17 +154,24 @@ class RewardModelTrainer:
         ids = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
         return {"input_ids": pad_right(ids, pad_id), "attention_mask": pad_right([[1] * len(x) for x in ids], 0)}
 
-    def rewards(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B,) rewards of the chosen rows and (B,) of the rejected rows."""
-        values = scalar_values(model, batch["input_ids"], batch["attention_mask"], pack=self.packing)
+    def rewards(
+        self, model: Any, batch: dict[str, torch.Tensor], aux_loss: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) rewards of the chosen rows and (B,) of the rejected rows (``aux_loss``: collects an MoE backbone's
+        load-balancing loss)."""
+        values = scalar_values(
+            model, batch["input_ids"], batch["attention_mask"], pack=self.packing, aux_loss=aux_loss
+        )
         rewards = ScalarHeadModel.last_values(values, batch["attention_mask"])
         half = rewards.size(0) // 2
         return rewards[:half], rewards[half:]
 
     def loss(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        chosen, rejected = self.rewards(model, batch)
+        aux = aux_list(self.ctx.aux_loss_coef)
+        chosen, rejected = self.rewards(model, batch, aux)
         acc = (chosen > rejected).float().mean().item()
-        return pairwise_reward_loss(chosen, rejected, self.margin), {"acc": acc}
+        loss, extra = with_aux_loss(pairwise_reward_loss(chosen, rejected, self.margin), aux, self.ctx.aux_loss_coef)
+        return loss, {"acc": acc, **extra}
 
     @torch.no_grad()
     def evaluate(self, model: Any, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:

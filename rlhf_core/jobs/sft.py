@@ -18,6 +18,7 @@ import torch
 
 from rlhf_core import events
 from rlhf_core.algos.losses import sft_loss
+from rlhf_core.algos.moe import aux_list, with_aux_loss
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.examples import pad_right, sft_examples
 from rlhf_core.data.sampler import global_batch, rank_slice, total_steps
@@ -153,8 +154,9 @@ class SFTTrainer:
 
     def loss(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         ids, mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        logprobs = causal_lm_logprobs(model, ids, mask, loss_mask[:, 1:], pack=self.packing)
-        return sft_loss(logprobs, loss_mask), {}
+        aux = aux_list(self.ctx.aux_loss_coef)
+        logprobs = causal_lm_logprobs(model, ids, mask, loss_mask[:, 1:], pack=self.packing, aux_loss=aux)
+        return with_aux_loss(sft_loss(logprobs, loss_mask), aux, self.ctx.aux_loss_coef)
 
     @torch.no_grad()
     def evaluate(self, model: Any, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -293,13 +293,18 @@ class ScalarHeadModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        router_logits: list | None = None,
     ) -> torch.Tensor:
         """(B, T) ids and mask -> (B, T) values. Packed rows (``rlhf_core.algos.packing``) come without a mask and
-        with ``position_ids`` that restart at each sample."""
-        hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        with ``position_ids`` that restart at each sample. ``router_logits``: an MoE backbone's router logits of
+        this forward are appended to it."""
+        extra = {} if router_logits is None else {"output_router_logits": True}
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
+        )
+        if router_logits is not None:
+            router_logits.extend(getattr(out, "router_logits", None) or ())
+        return self.head(out.last_hidden_state).squeeze(-1).float()
 
     @staticmethod
     def last_values(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -167,9 +167,25 @@ def causal_lm_logprobs(
     return tuple(outs) if with_entropy else outs[0]
 
 
-def scalar_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pack: bool = True):
-    """(B, T) per-token values of a ScalarHeadModel (or an engine around one); 0 on padding when packed."""
+def scalar_values(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    pack: bool = True,
+    aux_loss: list | None = None,
+):
+    """(B, T) per-token values of a ScalarHeadModel (or an engine around one); 0 on padding when packed. With
+    ``aux_loss``, an MoE backbone's load-balancing loss over the real tokens is appended to it (as in
+    ``causal_lm_logprobs``)."""
+    routed = None if aux_loss is None else []
     if not pack:
-        return model(input_ids, attention_mask)
-    packing = packing_for(unwrap(model), attention_mask)
-    return packing.unpack(model(packing.pack(input_ids), None, packing.position_ids))
+        values = model(input_ids, attention_mask, None, routed)
+        real = attention_mask
+    else:
+        packing = packing_for(unwrap(model), attention_mask)
+        values = packing.unpack(model(packing.pack(input_ids), None, packing.position_ids, routed))
+        real = packing.pack(attention_mask)
+    if aux_loss is not None:
+        _append_aux_loss(aux_loss, unwrap(model).hf_model, routed, real)
+    return values

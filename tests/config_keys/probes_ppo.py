@@ -273,6 +273,14 @@ def ppo_section(kind: str) -> dict[str, Probe]:
     }
     for role in ("actor", "critic") if trains_actor else ("critic",):  # the trained roles' adapters
         out |= lora_probes(f"{role}.model", role_lora(role), base=BUILTIN_BASES[role])
+        stat = "aux_loss" if role == "actor" else "critic_aux_loss"
+        out[f"{role}.model.aux_loss_coef"] = probe(  # an MoE model's load-balancing loss joins the role's loss
+            f"{{stage}}.{role}.model.aux_loss_coef=0.5",
+            observe=train_phase,
+            base=(f"{{stage}}.{role}.model.name_or_path=builtin:tiny-moe",),
+            slow=True,
+            expect=lambda a, b, stat=stat: stat not in a and b[stat] > 0,
+        )
     for role in ("actor", "critic", "reward", "reference"):
         path = "builtin:small" if role == "actor" else "{rm_seed1}"
         out[f"{role}.model.name_or_path"] = probe(

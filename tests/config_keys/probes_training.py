@@ -198,6 +198,28 @@ def loss_forwards(cfg: PipelineConfig, stage: str) -> list[tuple[int, bool]]:
     return calls
 
 
+def first_loss(cfg: PipelineConfig, stage: str) -> Any:
+    """The stage's first training loss and its metrics: trainer.loss on four training examples with the model the
+    rank builds (sft, reward_model); dpo and kto through their in-process first step (``fakes.first_step``)."""
+    if cfg.kind(stage) in ("dpo", "kto"):
+        from tests.config_keys.probes_methods import first_step_of
+
+        return first_step_of(cfg, stage)
+    impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
+    tokenizer = load_tokenizer("builtin:tiny")
+    model = impl.build_model(tokenizer, torch.float32, "sdpa")
+    loss, metrics = impl.loss(model, impl.collate(_examples(cfg, stage, "train")[:4], tokenizer.pad_token_id))
+    return {"loss": round(loss.item(), 6), "step_metrics": {k: round(v, 6) for k, v in metrics.items()}}
+
+
+def _adds_aux_loss(a: Any, b: Any) -> bool:
+    """The loss of an MoE model gains the load-balancing term (the same model, data and step), reported as
+    aux_loss."""
+    before, after = a, b
+    aux = after["step_metrics"].get("aux_loss")
+    return "aux_loss" not in before["step_metrics"] and aux is not None and aux > 0 and after["loss"] > before["loss"]
+
+
 def worker_device(cfg: PipelineConfig, stage: str) -> str:
     """The device a training group's workers get (device.resolve_device, RLHF_DEVICE and num_gpus)."""
     return resolve_device(cfg.stage(stage).strategy.device)
@@ -390,6 +412,12 @@ TRAINING_SECTION: dict[str, Probe] = {
     ),
     "model.init_seed": probe("{stage}.model.init_seed=1", observe=rank_model),
     **lora_probes("model", rank_lora),
+    "model.aux_loss_coef": probe(
+        "{stage}.model.aux_loss_coef=0.5",
+        observe=first_loss,
+        base=("{stage}.model.name_or_path=builtin:tiny-moe",),
+        expect=_adds_aux_loss,
+    ),
     "model.trust_remote_code": probe(
         "{stage}.model.trust_remote_code=true",
         observe=rank_model,

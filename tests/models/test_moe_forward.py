@@ -59,3 +59,17 @@ def test_a_dense_model_has_no_aux_loss():
     ids, mask, score = _batch()
     with pytest.raises(ValueError, match="LlamaForCausalLM returned no router logits"):
         causal_lm_logprobs(dense, torch.clamp(ids, max=500), mask, score, aux_loss=[])
+
+
+def test_an_aux_loss_on_a_dense_model_is_refused_naming_the_key_before_any_worker_starts(tmp_path):
+    from rlhf_core.config import ConfigError, load_config
+    from rlhf_core.jobs import common
+    from tests.conftest import TINY
+
+    cfg = load_config(TINY, [f"run_uri={tmp_path}", "sft.model.aux_loss_coef=0.01"])
+    with pytest.raises(ConfigError, match=r"'sft.model.aux_loss_coef' is the load-balancing loss of a Mixture-of-Exp"):
+        common.setup_stage(cfg, "sft")
+    moe = load_config(
+        TINY, [f"run_uri={tmp_path}", "sft.model.aux_loss_coef=0.01", "sft.model.name_or_path=builtin:tiny-moe"]
+    )
+    assert common.setup_stage(moe, "sft").context().aux_loss_coef == 0.01
