@@ -17,6 +17,10 @@ The rest of the project sees the adapters through two functions:
 
 Only ``nn.Linear`` layers are adapted: a target that resolves to an embedding or a convolution is refused with the
 module's name.
+
+QLoRA (``lora.load_in_4bit``): ``quantize_4bit`` replaces the base's linear layers by bitsandbytes NF4 layers before
+the adapters are added; ``full_weight`` dequantises such a weight, so the merged tensors and the export hold
+``dequant(W) + s B @ A`` in full precision, which is what the 4-bit model computes.
 """
 
 from __future__ import annotations
