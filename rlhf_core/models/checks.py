@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.errors import first_line
-from rlhf_core.models.builders import BUILTIN_PREFIX, ModelPathError, builtin_names, load_tokenizer
+from rlhf_core.models.builders import ASSETS, BUILTIN_PREFIX, ModelPathError, builtin_names, load_tokenizer
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -364,3 +364,39 @@ def missing_names(model: Any, plain: Any, have: set[str]) -> list[str]:
             continue
         missing.append(names[0])
     return missing
+
+
+# Hybrid and pure state-space (Mamba) families: a recurrent state runs along each row, so the samples packed into one
+# row would leak state into each other (``position_ids`` never reach the scan), and vLLM's CPU build has no kernel for
+# their selective-scan prefill.
+STATE_SPACE_MODEL_TYPES = frozenset(
+    {
+        "jamba",
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "zamba",
+        "zamba2",
+        "bamba",
+        "nemotron_h",
+        "granitemoehybrid",
+        "falcon_h1",
+    }
+)
+
+
+def model_type(path: str) -> str | None:
+    """The ``model_type`` of a builtin or a local model directory, read from its config file (None: a hub name or a
+    directory without one)."""
+    if path.startswith(BUILTIN_PREFIX):
+        file = ASSETS / "models" / f"{path[len(BUILTIN_PREFIX) :]}.json"
+    else:
+        file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def has_state_space_layers(path: str) -> bool:
+    return model_type(path) in STATE_SPACE_MODEL_TYPES
