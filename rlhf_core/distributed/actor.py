@@ -24,6 +24,7 @@ from rlhf_core.models.lora import MergedTensor, merged_tensors
 
 if TYPE_CHECKING:
     from rlhf_core.distributed.rollout.group import EngineHandles
+    from rlhf_core.distributed.weight_sync.sender import WeightSender
 
 
 def _logprobs(
@@ -52,6 +53,12 @@ def _logprobs(
 class PolicyActor(TrainableRole):
     """One rank of the actor group. Its log-probs (old ones and in the loss) are those of the rollout distribution:
     logits divided by the rollout temperature."""
+
+    sender: WeightSender | None = None  # set by connect_engines (None: no collective, or a rank that does not send)
+    # vLLM engines (a collective): weights in checkpoint names. The same on every rank, senders or not, so that all
+    # ranks plan the same buckets and ZeRO-3 gathers the same parameters.
+    to_vllm = False
+    _sync: Any = None  # _sync_plan, once per connection
 
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module:
         c = self.ctx
@@ -137,6 +144,7 @@ class PolicyActor(TrainableRole):
 
         self.engines = engines
         self.sender = None
+        self.to_vllm, self._sync = use_collective, None  # the sync plan depends on the engines' kind
         self.bucket_bytes = int(bucket_mb * MIB)
         if use_collective:
             s = self.strategy
@@ -144,36 +152,45 @@ class PolicyActor(TrainableRole):
                 engines, s.rank, s.world_size, s.broadcast_object, backend=backend, bucket_mb=bucket_mb
             )
 
-    def _sync_plan(self) -> tuple[list[MergedTensor], list[tuple[str, str, tuple[int, ...]]], list[int]]:
-        """What a weight push sends: the weights (``models.lora.merged_tensors``: a LoRA layer's merged), the spec of
-        each tensor sent, and for each spec the index of the weight it comes from. To vLLM engines each weight goes
-        as the pieces its checkpoint stores (``models.checkpoint_names``: an MoE layer's fused experts one matrix per
-        expert); to HF engines (a state dict) as the model holds it. ZeRO-3: shapes from ``ds_shape``."""
+    def _sync_plan(self) -> tuple[list[MergedTensor], list[tuple[str, str, tuple[int, ...]]], list[int], set[int]]:
+        """What a weight push sends, worked out once per connection: the weights (``models.lora.merged_tensors``: a
+        LoRA layer's merged), the spec of each tensor sent, for each spec the index of the weight it comes from, and
+        the weights sent under other names or in pieces. To vLLM engines each weight goes as the pieces its checkpoint
+        stores (``models.checkpoint_names``: an MoE layer's fused experts one matrix per expert); to HF engines (a
+        state dict) as the model holds it. ZeRO-3: shapes from ``ds_shape``."""
+        if self._sync is not None:
+            return self._sync
         zero3 = self.ctx.strategy.zero_stage == 3
         tensors = merged_tensors(self.engine.module)
-        specs, owners = [], []
+        specs, owners, converted = [], [], set()
         for i, t in enumerate(tensors):
             dtype, shape = t.meta(zero3)
-            for name, piece in self._pieces(t.name, torch.empty(shape, dtype=dtype, device="meta")):
+            meta = torch.empty(shape, dtype=dtype, device="meta")
+            pieces = checkpoint_pieces(self.engine.module, t.name, meta) if self.to_vllm else [(t.name, meta)]
+            if [name for name, _ in pieces] != [t.name]:
+                converted.add(i)
+            for name, piece in pieces:
                 specs.append((name, dtype_name(piece.dtype), tuple(int(s) for s in piece.shape)))
                 owners.append(i)
-        return tensors, specs, owners
+        self._sync = tensors, specs, owners, converted
+        return self._sync
 
-    def _pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if getattr(self, "sender", None) is None:  # HF engines load the model's own state dict
-            return [(name, tensor)]
-        return checkpoint_pieces(self.engine.module, name, tensor)
-
-    def _named_full_params(
-        self, tensors: list[MergedTensor], plan: list[list[int]], owners: list[int]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _named_full_params(self, plan: list[list[int]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors of the specs in order (``_sync_plan``), full values. ZeRO-3: for each bucket of ``plan`` the
         sources of the weights it needs gathered together (every rank takes part in each gather); a bucket's tensors
         stay valid until the next bucket is requested, which is when the sender has packed them; pieces of a weight
         that belong to a later bucket are kept as copies until then."""
+        tensors, _, owners, converted = self._sync_plan()
+
+        def pieces(i: int) -> list[tuple[str, torch.Tensor]]:
+            t = tensors[i]
+            return (
+                checkpoint_pieces(self.engine.module, t.name, t.value()) if i in converted else [(t.name, t.value())]
+            )
+
         if self.ctx.strategy.zero_stage != 3:
-            for t in tensors:
-                yield from self._pieces(t.name, t.value())
+            for i in range(len(tensors)):
+                yield from pieces(i)
             return
         import deepspeed
 
@@ -186,7 +203,7 @@ class PolicyActor(TrainableRole):
             with deepspeed.zero.GatheredParameters([p for i in need for p in tensors[i].sources]):
                 here: dict[int, tuple[str, torch.Tensor]] = {}
                 for i in need:
-                    for k, piece in enumerate(self._pieces(tensors[i].name, tensors[i].value())):
+                    for k, piece in enumerate(pieces(i)):
                         j = first[i] + k
                         if j in bucket:
                             here[j] = piece
@@ -203,8 +220,8 @@ class PolicyActor(TrainableRole):
         from rlhf_core.distributed.weight_sync.sender import sync_weights
 
         start = time.perf_counter()
-        tensors, specs, owners = self._sync_plan()
-        named = self._named_full_params(tensors, bucket_plan(specs, self.bucket_bytes), owners)
+        specs = self._sync_plan()[1]
+        named = self._named_full_params(bucket_plan(specs, self.bucket_bytes))
         rank = self.strategy.rank
         if rank != 0:
             if self.sender is not None:  # cuda_ipc: this rank serves the engine workers on its GPU

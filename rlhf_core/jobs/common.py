@@ -44,7 +44,7 @@ from rlhf_core.data.sampler import total_steps
 from rlhf_core.distributed.checkpoints import StageContext, newest_checkpoint
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.errors import first_line, one_line
-from rlhf_core.models.builders import ModelPathError, load_tokenizer, model_skeleton
+from rlhf_core.models.builders import ModelPathError, load_tokenizer, model_config, model_skeleton
 from rlhf_core.models.checks import check_model_source, has_state_space_layers, model_type
 from rlhf_core.models.lora import LoraTargetError
 from rlhf_core.run_layout import existing_output, open_store, upstream_hash
@@ -430,8 +430,7 @@ def check_engine_backend(key: str, backend: str, device: str, path: str) -> None
 def check_router(key: str, model: Any, path: str) -> None:
     """``aux_loss_coef`` is set on the model at ``key``: it must be a Mixture-of-Experts model (its config has
     ``output_router_logits``, as transformers' MoE configs do), else ``ConfigError`` naming the key."""
-    tokenizer = load_tokenizer(path, model.tokenizer, trust_remote_code=model.trust_remote_code)
-    config = model_skeleton(path, tokenizer, trust_remote_code=model.trust_remote_code).config
+    config = model_config(path, trust_remote_code=model.trust_remote_code)
     if getattr(config, "output_router_logits", None) is None:
         raise ConfigError(
             f"'{key}.aux_loss_coef' is the load-balancing loss of a Mixture-of-Experts model, and {path} "

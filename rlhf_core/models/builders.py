@@ -109,11 +109,27 @@ def attn_implementation(requested: str, device: str) -> str:
     return "sdpa"
 
 
+def builtin_spec(name: str) -> dict:
+    """A builtin's config keys (``rlhf_core/assets/models/<name>.json``), model_type included."""
+    spec = json.loads((ASSETS / "models" / f"{name}.json").read_text())
+    spec.pop("_comment", None)
+    return spec
+
+
+def model_config(path: str, trust_remote_code: bool = False) -> Any:
+    """The config of the model at ``path`` alone: no weights, no tokenizer (a builtin's without its vocabulary)."""
+    from transformers import AutoConfig
+
+    if path.startswith(BUILTIN_PREFIX):
+        spec = builtin_spec(path[len(BUILTIN_PREFIX) :])
+        return AutoConfig.for_model(spec.pop("model_type"), **spec)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 def _builtin_config(name: str, vocab_size: int, tokenizer: Any, attn: str) -> Any:
     from transformers import AutoConfig
 
-    spec = json.loads((ASSETS / "models" / f"{name}.json").read_text())
-    spec.pop("_comment", None)
+    spec = builtin_spec(name)
     model_type = spec.pop("model_type")
     return AutoConfig.for_model(
         model_type,

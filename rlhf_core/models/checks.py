@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.errors import first_line
-from rlhf_core.models.builders import ASSETS, BUILTIN_PREFIX, ModelPathError, builtin_names, load_tokenizer
+from rlhf_core.models.builders import BUILTIN_PREFIX, ModelPathError, builtin_names, builtin_spec, load_tokenizer
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -388,12 +388,10 @@ STATE_SPACE_MODEL_TYPES = frozenset(
 def model_type(path: str) -> str | None:
     """The ``model_type`` of a builtin or a local model directory, read from its config file (None: a hub name or a
     directory without one)."""
-    if path.startswith(BUILTIN_PREFIX):
-        file = ASSETS / "models" / f"{path[len(BUILTIN_PREFIX) :]}.json"
-    else:
-        file = Path(path) / "config.json"
     try:
-        return json.loads(file.read_text(encoding="utf-8")).get("model_type")
+        if path.startswith(BUILTIN_PREFIX):
+            return builtin_spec(path[len(BUILTIN_PREFIX) :]).get("model_type")
+        return json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -91,6 +91,11 @@ class EngineHandles:
         return actor.__ray_call__.remote(method, *args, **kwargs)
 
 
+def engine_seed(seed: int, i: int) -> int:
+    """Engine ``i``'s seed, of its sampling calls and of its own generator: no two engines draw the same stream."""
+    return seed + 7919 * i
+
+
 class EngineGroup:
     """The rollout engines as one object for the controller: prompts spread evenly, results in prompt order.
 
@@ -182,7 +187,7 @@ class EngineGroup:
                     cpus, gpu_share = num_cpus_per_engine, share
                 actor_kwargs = dict(kwargs)
                 if "seed" in kwargs:  # each engine's own generator (SamplingConfig.seed_per_prompt off) differs
-                    actor_kwargs["seed"] = kwargs["seed"] + 7919 * i
+                    actor_kwargs["seed"] = engine_seed(kwargs["seed"], i)
                 if backend == "vllm" and gpus and tp > 1:
                     # the actor holds no GPU; vLLM's TP workers take gpu_share of the GPU of each of its bundles
                     actor_kwargs.update(bundle_indices=list(range(first, first + tp)), gpus_per_worker=gpu_share)
@@ -227,7 +232,8 @@ class EngineGroup:
         return self.handles.call(RolloutEngine.placement_group_id)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
-        """n responses per prompt, prompt-major; engine i samples with seed + 7919 i; an empty one becomes [EOS]."""
+        """n responses per prompt, prompt-major; engine i samples with ``engine_seed(seed, i)``; an empty one becomes
+        [EOS]."""
         return self.generate_with_logprobs(prompt_ids, sampling, with_logprobs=False)[0]
 
     def generate_with_logprobs(
@@ -243,7 +249,7 @@ class EngineGroup:
         refs = []
         for i, chunk in enumerate(chunks):
             if chunk:
-                seeded = replace(sampling, seed=sampling.seed + 7919 * i)
+                seeded = replace(sampling, seed=engine_seed(sampling.seed, i))
                 refs.append(self.handles.call_one_async(i, method, chunk, seeded))
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
