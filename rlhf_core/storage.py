@@ -107,6 +107,10 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
+    def content_hash(self) -> str:
+        """sha256 of the file list (names, sizes, sha256s): equal hashes, equal files."""
+        return hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()
+
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
         d = json.loads(text)

@@ -33,10 +33,12 @@ _NOT_HASHED = {
 
 
 def _off(key: str, value: Any) -> bool:
-    """A section or key that is off as it is by default (LoRA with rank 0, no MoE auxiliary loss): left out, so that
-    adding it to the config keeps the hashes of the stages that do not use it."""
+    """A section or key that is off as it is by default (LoRA with rank 0, no LoRA target_parameters, no MoE
+    auxiliary loss): left out, so that adding it to the config keeps the hashes of the stages that do not use it."""
     if key == "aux_loss_coef":
         return value == 0
+    if key == "target_parameters":  # lora: no parameter adapted directly
+        return value == []
     return key == "lora" and isinstance(value, dict) and value.get("rank") == 0
 
 

@@ -30,19 +30,49 @@ class LoraConfig:
         "Linear layers to adapt, by name (e.g. [q_proj, v_proj]); all-linear = every linear layer but the LM head.",
     )
     modules_to_save: list[str] = opt([], "Modules trained fully beside the adapters, by name (e.g. [embed_tokens]).")
+    target_parameters: list[str] = opt(
+        [],
+        "Parameters to adapt whole, by name suffix (peft target_parameters): a Mixture-of-Experts layer's fused 3-D "
+        "experts, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj], with one A and B per expert; merged into "
+        "the weight the engines and the export get. target_modules may then be []. Dropout must be 0; ZeRO 0-2. "
+        "(peft also maps all-linear on Qwen2/3-MoE and Mixtral to their experts and router this way.)",
+    )
     load_in_4bit: bool = opt(
         False,
         "QLoRA: the frozen base weights of the adapted layers stored in 4-bit NF4 with double quantisation "
         "(bitsandbytes); ZeRO 0-2. The rollout engines and the export get dequant(W) + B @ A.",
+    )
+    export: Literal["merged", "adapter"] = opt(
+        "merged",
+        "What the stage's output folder holds (checkpoints hold the adapters either way): merged = a plain Hugging "
+        "Face model, the adapters merged into the base; adapter = a PEFT adapter folder (adapter_config.json and "
+        "adapter_model.safetensors: the adapters, modules_to_save and a value head; peft.PeftModel.from_pretrained "
+        "loads it) with the tokenizer and adapter_base.json, which records the base (a stage: base by that stage's "
+        "output, checked by content). A stage: reference to it, or its folder as name_or_path, loads base + adapters "
+        "merged. With load_in_4bit the base is quantised again first, so it loads as dequant(quant(W)) + B @ A, the "
+        "trained model exactly; plain peft over the full-precision base gives W + B @ A, which differs by W's NF4 "
+        "rounding.",
     )
 
     def validate(self, key: str) -> None:
         check(self.rank >= 0, f"{key}.rank", self.rank, "must be >= 0 (0 = no adapters)")
         check(self.alpha > 0, f"{key}.alpha", self.alpha, "must be > 0")
         check(0 <= self.dropout < 1, f"{key}.dropout", self.dropout, "must be in [0, 1)")
-        check(len(self.target_modules) > 0, f"{key}.target_modules", self.target_modules, "must name a module")
+        check(
+            len(self.target_modules) > 0 or bool(self.target_parameters),
+            f"{key}.target_modules",
+            self.target_modules,
+            "must name a module (or [] beside target_parameters)",
+        )
+        if self.target_parameters and self.dropout:
+            raise ConfigError(
+                f"'{key}.target_parameters' adapts whole parameters, whose adapters take no dropout (peft): "
+                f"set '{key}.dropout' to 0"
+            )
         if self.load_in_4bit and self.rank == 0:
             raise ConfigError(f"'{key}.load_in_4bit' quantises the base under adapters: set '{key}.rank' > 0")
+        if self.export == "adapter" and self.rank == 0:
+            raise ConfigError(f"'{key}.export' = adapter writes the adapters: set '{key}.rank' > 0")
 
 
 @dataclass

@@ -15,7 +15,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,9 @@ from torch import nn
 
 from rlhf_core import curves, events, run_layout
 from rlhf_core.config import LoraConfig, OptimConfig, StrategyConfig, TrainConfig
-from rlhf_core.distributed.node_files import ModelSource, local_model_path
+from rlhf_core.distributed.node_files import ModelSource, StageModel, local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
+from rlhf_core.models.adapter_folder import STAGE_PREFIX, AdapterRecord, write_adapter
 from rlhf_core.models.lora import lora_layers, merged_state_dict, merged_tensors
 from rlhf_core.storage import ObjectStore
 from rlhf_core.tracking import TrackingSpec
@@ -55,12 +56,13 @@ class StageContext:
     tracking: TrackingSpec | None = None  # the experiment trackers rank 0 logs to (rlhf_core.tracking)
     lora: LoraConfig | None = None  # <stage>.model.lora: LoRA adapters (rank 0: none)
     aux_loss_coef: float = 0.0  # <stage>.model.aux_loss_coef: the MoE load-balancing loss's weight
+    model_source: ModelSource | None = None  # model_path before start_rank fetched it: an adapter export's base
 
 
 def start_rank(ctx: StageContext) -> tuple[StageContext, DeepSpeedStrategy, ObjectStore, Path]:
     """Join the group's torch.distributed world and seed every generator with ``train.seed``. Returns the context
     with this node's copy of a stage model, the strategy, the run's store and this rank's scratch directory."""
-    ctx = replace(ctx, model_path=local_model_path(ctx.model_path))
+    ctx = replace(ctx, model_source=ctx.model_path, model_path=local_model_path(ctx.model_path))
     strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train)
     strategy.init_distributed()
     store = ObjectStore(ctx.run_uri, ctx.storage_options)
@@ -143,7 +145,7 @@ def export_stage(
 ) -> None:
     """Rank 0: commit the stage's Hugging Face directory (manifest last, with the final metrics), then write
     ``metrics.json`` (history and final metrics) and the curves beside it."""
-    exported = export_hf(module, weights, tokenizer, local)
+    exported = export_hf(module, weights, tokenizer, local, adapter=adapter_record(ctx))
     store.put_artifact(
         str(exported),
         ctx.stage,
@@ -236,9 +238,14 @@ def rank_files(rank: int) -> Callable[[str], bool]:
     return keep
 
 
-def export_hf(module: nn.Module, weights: dict, tokenizer: Any, local: Path) -> Path:
+def export_hf(
+    module: nn.Module, weights: dict, tokenizer: Any, local: Path, adapter: AdapterRecord | None = None
+) -> Path:
     """Write the Hugging Face model inside ``module`` (itself, or ``module.hf_model``) with gathered ``weights``; a
-    model with LoRA adapters is written as the plain model, its adapters merged (``models.lora``)."""
+    model with LoRA adapters is written as the plain model, its adapters merged (``models.lora``), or with
+    ``adapter`` (``lora.export: adapter``, ``adapter_record``) as a PEFT adapter folder (``models.adapter_folder``)."""
+    if adapter is not None:
+        return write_adapter(module, weights, tokenizer, local, adapter)
     layers = lora_layers(module)
     if any(hasattr(p, "quant_state") for p in module.parameters()):  # QLoRA: dequant(W) + B @ A, from the module
         weights = {t.name: t.value() for t in merged_tensors(module)}
@@ -251,6 +258,21 @@ def export_hf(module: nn.Module, weights: dict, tokenizer: Any, local: Path) -> 
     hf_model.save_pretrained(str(local), state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(str(local))
     return local
+
+
+def adapter_record(ctx: Any) -> AdapterRecord | None:
+    """What an adapter export records of its base (``ctx``: a ``StageContext`` or a PPO ``RoleContext``): the
+    source the stage trained from (``stage:<name>`` with its content hash, a local directory by absolute path), its
+    build and lora settings; None unless the model's ``lora.export`` is adapter."""
+    lora = ctx.lora
+    if lora is None or lora.rank == 0 or lora.export != "adapter":
+        return None
+    source = ctx.model_source if ctx.model_source is not None else ctx.model_path
+    if isinstance(source, StageModel):
+        base, content = f"{STAGE_PREFIX}{source.rel}", source.content_hash
+    else:
+        base, content = (str(Path(source).resolve()) if Path(source).exists() else source), None
+    return AdapterRecord(base, content, ctx.init_seed, ctx.trust_remote_code, asdict(lora))
 
 
 def write_entry(store: ObjectStore, rel: str, text: str) -> dict:

@@ -16,6 +16,10 @@ that loads the model. That resolves it to a directory on the caller's node:
 - a copy is renamed into place only when complete, and the manifest it was made from must have the content hash the
   driver saw: an artifact rewritten during the job is refused rather than mixed with the old one.
 
+An adapter folder (a LoRA stage's ``lora.export: adapter`` output, or such a folder on disk) resolves to the plain
+model it trained: its base is resolved the same way and the adapters merged into it once per copy
+(``models.adapter_folder``), so every loader gets a plain Hugging Face folder.
+
 Every download and every use appends a line to ``<cache root>/log.jsonl`` (event, artifact, hash, pid, path): what a
 test or an operator reads to see which node used which copy. Other model sources (``builtin:``, local directories,
 hub names) pass through unchanged. Storage options (credentials) are never shown: not in ``repr``, logs or errors.
@@ -59,7 +63,7 @@ ModelSource = str | StageModel
 
 def content_hash(manifest: Manifest) -> str:
     """sha256 of the manifest's file list (names, sizes, sha256s): equal hashes, equal files."""
-    return hashlib.sha256(json.dumps(manifest.files, sort_keys=True).encode()).hexdigest()
+    return manifest.content_hash()
 
 
 def stage_model(store: ObjectStore, rel: str) -> StageModel:
@@ -86,9 +90,12 @@ def node_cache_dir() -> Path:
 def local_model_path(source: ModelSource, cache: str | os.PathLike | None = None) -> str:
     """A path this process can load ``source`` from: a ``StageModel`` is fetched into the node cache (once per node
     and content), any other source is returned as it is."""
-    if not isinstance(source, StageModel):
-        return source
-    return fetch(source, Path(cache) if cache is not None else node_cache_dir())
+    root = Path(cache) if cache is not None else node_cache_dir()
+    if isinstance(source, StageModel):
+        return fetch(source, root)
+    from rlhf_core.models.adapter_folder import is_adapter_folder
+
+    return merged_local(source, root) if is_adapter_folder(source) else source
 
 
 def fetch(ref: StageModel, root: Path) -> str:
@@ -109,6 +116,7 @@ def fetch(ref: StageModel, root: Path) -> str:
                         f"{store.uri(ref.rel)} changed since the job read its manifest (content "
                         f"{content_hash(manifest)[:12]}, expected {ref.content_hash[:12]}): rerun the stage"
                     )
+                partial = _merged_in_place(store, ref, partial, root)
                 shutil.rmtree(final, ignore_errors=True)
                 partial.rename(final)
             finally:
@@ -120,6 +128,66 @@ def fetch(ref: StageModel, root: Path) -> str:
                 flush=True,
             )
         _log(root, "use", ref, final)
+    return str(final)
+
+
+def _merged_in_place(store: ObjectStore, ref: StageModel, partial: Path, root: Path) -> Path:
+    """A downloaded adapter folder (``lora.export: adapter``) replaced by the plain model it trained: its base
+    fetched too (a ``stage:`` base: that output of the same store, refused unless it is the one the adapters were
+    trained over) and merged (``models.adapter_folder``); the manifest kept, so the copy is recognised. Any other
+    folder as it is."""
+    from rlhf_core.models.adapter_folder import STAGE_PREFIX, is_adapter_folder, merge_adapter, read_record
+
+    if not is_adapter_folder(partial):
+        return partial
+    record = read_record(partial)
+    base: str = record.base
+    if base.startswith(STAGE_PREFIX):
+        current = stage_model(store, base[len(STAGE_PREFIX) :])
+        if record.base_content and current.content_hash != record.base_content:
+            raise ArtifactError(
+                f"{store.uri(ref.rel)} holds adapters trained over another {base} output than "
+                f"{store.uri(current.rel)} (content {current.content_hash[:12]}, expected "
+                f"{record.base_content[:12]}): rerun {ref.rel}"
+            )
+        base = fetch(current, root)
+    else:
+        base = local_model_path(base, root)
+    merged = partial.with_name(f"{partial.name}-merged")
+    shutil.rmtree(merged, ignore_errors=True)
+    try:
+        merge_adapter(partial, base, merged)
+    except BaseException:
+        shutil.rmtree(merged, ignore_errors=True)
+        raise
+    shutil.copy(partial / MANIFEST_NAME, merged / MANIFEST_NAME)
+    shutil.rmtree(partial, ignore_errors=True)
+    return merged
+
+
+def merged_local(path: str, root: Path) -> str:
+    """A local adapter folder (a stage's output in a run folder on disk) as the plain model it trained, merged once
+    per node into ``root`` (keyed by the adapter files' content), its base resolved beside it
+    (``adapter_folder.local_base``)."""
+    from rlhf_core.models.adapter_folder import RECORD, local_base, merge_adapter
+
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in Path(path).iterdir() if p.name.startswith("adapter_") or p.name == RECORD):
+        digest.update(name.encode() + (Path(path) / name).read_bytes())
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"adapter-{digest.hexdigest()[:16]}"
+    with _locked(root / f"{final.name}.lock"):
+        if not (final / "config.json").is_file():
+            base = local_model_path(local_base(path), root)
+            partial = root / f"{final.name}.partial-{os.getpid()}"
+            shutil.rmtree(partial, ignore_errors=True)
+            try:
+                merge_adapter(path, base, partial)
+                shutil.rmtree(final, ignore_errors=True)
+                partial.rename(final)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+            print(f"[node-cache] {path} merged over {base} -> {final}", flush=True)
     return str(final)
 
 

@@ -16,7 +16,7 @@ from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.losses import window_loss_scale
 from rlhf_core.config import LoraConfig, OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
 from rlhf_core.distributed import device
-from rlhf_core.distributed.checkpoints import export_hf, load_engine_shards, save_engine_shards
+from rlhf_core.distributed.checkpoints import adapter_record, export_hf, load_engine_shards, save_engine_shards
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, offload_training_states
 from rlhf_core.models.builders import attn_implementation, load_tokenizer
@@ -51,6 +51,7 @@ class RoleContext:
     trains: bool = True  # False: forwards only (the critic warm-up's actor), an engine without optimizer
     lora: LoraConfig | None = None  # <stage>.<role>.model.lora: LoRA adapters (rank 0: none)
     aux_loss_coef: float = 0.0  # <stage>.<role>.model.aux_loss_coef: the MoE load-balancing loss's weight
+    model_source: ModelSource | None = None  # model_path before setup fetched it: an adapter export's base
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,9 @@ class TrainableRole:
         raise NotImplementedError
 
     def setup(self) -> int:
-        ctx = self.ctx = replace(self.ctx, model_path=local_model_path(self.ctx.model_path))
+        ctx = self.ctx = replace(
+            self.ctx, model_source=self.ctx.model_path, model_path=local_model_path(self.ctx.model_path)
+        )
         self.strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.batch)
         self.strategy.init_distributed()
         torch.manual_seed(ctx.seed)
@@ -179,7 +182,8 @@ class TrainableRole:
         """Collective: gather the weights and (rank 0) commit a Hugging Face directory at ``rel``."""
         weights = self.strategy.full_state_dict(self.engine)
         if self.strategy.rank == 0:
-            local = export_hf(self.engine.module, weights, self.tokenizer, self.work / "export")
+            adapter = adapter_record(self.ctx)
+            local = export_hf(self.engine.module, weights, self.tokenizer, self.work / "export", adapter=adapter)
             self.store.put_artifact(
                 str(local),
                 rel,

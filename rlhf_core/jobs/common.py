@@ -44,9 +44,10 @@ from rlhf_core.data.sampler import total_steps
 from rlhf_core.distributed.checkpoints import StageContext, newest_checkpoint
 from rlhf_core.distributed.node_files import ModelSource, local_model_path, stage_model
 from rlhf_core.errors import first_line, one_line
-from rlhf_core.models.builders import ModelPathError, load_tokenizer, model_config, model_skeleton
+from rlhf_core.models.builders import ModelPathError, load_tokenizer, model_config, model_skeleton, shrunk_model
 from rlhf_core.models.checks import check_model_source, has_state_space_layers, model_type
-from rlhf_core.models.lora import LoraTargetError
+from rlhf_core.models.forward import adapters_without_gradient
+from rlhf_core.models.lora import LoraTargetError, lora_layers
 from rlhf_core.run_layout import existing_output, open_store, upstream_hash
 from rlhf_core.storage import ArtifactError, ObjectStore, redact
 from rlhf_core.types import CheckpointRef
@@ -280,8 +281,9 @@ def resolve_model(
         except ArtifactError as e:
             raise ArtifactError(f"'{key}' = {path}: the {name} stage has no complete output ({e})") from None
         return local, ref
-    check_model_source(path, key, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
-    return path, path
+    local = local_model_path(path, cache=dest)  # a local adapter folder: merged over its base (node_files)
+    check_model_source(local, key, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
+    return local, path
 
 
 @dataclass
@@ -384,6 +386,9 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
                     f"'{stage}.{role}{where}.lora.load_in_4bit' keeps 4-bit base weights, which ZeRO-3 cannot "
                     f"partition: set '{stage}.{role + '.' if where else ''}strategy.zero_stage' to 2 or lower"
                 )
+            if strategy.zero_stage == 3:
+                zero = f"{stage}.{role + '.' if where else ''}strategy.zero_stage"
+                check_whole_parameter_adapters(f"{stage}.{role}{where}", zero, model, paths[role], scalar=scalar)
             check_adapters(f"{stage}.{role}{where}", model, paths[role], scalar=scalar)
     return StageSetup(
         stage, section, store, work, paths, upstream, config_hash, None, sources, cfg.kind(stage), tracked
@@ -393,12 +398,53 @@ def setup_stage(cfg: PipelineConfig, stage: str, models: dict[str, Any] | None =
 def check_adapters(key: str, model: Any, path: str, *, scalar: bool) -> None:
     """The LoRA section of the model at ``key`` tried on the model's skeleton (its config, no weights: the meta
     device) before any worker starts: a target that matches nothing or is not a linear layer raises ``ConfigError``
-    naming the key."""
+    naming the key. Then on a shrunken copy (``shrunk_model``): a target whose adapters get no gradient (the model
+    reads the layer's weight itself) would never train, and is refused naming the key and the modules."""
     tokenizer = load_tokenizer(path, model.tokenizer, trust_remote_code=model.trust_remote_code)
+    trust = model.trust_remote_code
     try:
-        model_skeleton(path, tokenizer, model.lora, scalar=scalar, trust_remote_code=model.trust_remote_code)
+        model_skeleton(path, tokenizer, model.lora, scalar=scalar, trust_remote_code=trust)
     except LoraTargetError as e:
         raise ConfigError(f"'{key}.{e.key}' {e.why}") from None
+    try:
+        probe = shrunk_model(path, tokenizer, model.lora, scalar=scalar, trust_remote_code=trust)
+        dead = adapters_without_gradient(probe, scalar=scalar)
+    except Exception as e:  # noqa: BLE001 - a config that does not shrink this way: the stage still runs, unchecked
+        print(f"[{key}] the LoRA gradient check was skipped: a shrunken copy did not run ({first_line(e)})")
+        return
+    if dead:
+        layers = lora_layers(probe)
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in dead})
+        kept = sorted({name.rsplit(".", 1)[-1] for name in layers} - set(leaves))
+        # a wrapper on a whole parameter (its scaling names the parameter) comes from target_parameters when set
+        whole = any(hasattr(layers[n], "parameter_name") for n in dead) and model.lora.target_parameters
+        which = "target_parameters" if whole else "target_modules"
+        raise ConfigError(
+            f"'{key}.lora.{which}' = {getattr(model.lora, which)} adapts {', '.join(leaves)} "
+            f"({', '.join(dead)}), whose weight {path} reads directly instead of calling the layer: its adapters "
+            f"would get no gradient and never train; leave {', '.join(leaves)} out (e.g. [{', '.join(kept)}])"
+        )
+
+
+def check_whole_parameter_adapters(key: str, zero_key: str, model: Any, path: str, *, scalar: bool) -> None:
+    """ZeRO-3 refused for adapters on whole parameters (peft ``ParamWrapper``: ``lora.target_parameters``, or the
+    fused experts that all-linear reaches): the wrapper reads the parameter and its adapters outside their modules'
+    forward, where ZeRO-3 has not gathered them."""
+    from rlhf_core.models.lora import adapted_parameters
+
+    trust = model.trust_remote_code
+    tokenizer = load_tokenizer(path, model.tokenizer, trust_remote_code=trust)
+    try:
+        skeleton = model_skeleton(path, tokenizer, model.lora, scalar=scalar, trust_remote_code=trust)
+    except LoraTargetError:
+        return  # check_adapters names the key
+    adapted = adapted_parameters(skeleton)
+    if adapted:
+        which = "target_parameters" if model.lora.target_parameters else "target_modules"
+        raise ConfigError(
+            f"'{key}.lora.{which}' adapts whole parameters ({adapted[0]}, ... {len(adapted)} in all), which ZeRO-3 "
+            f"cannot partition under peft's wrapper: set '{zero_key}' to 2 or lower"
+        )
 
 
 def check_packing(stage: str, section: Any, role: str, where: str, path: str) -> None:

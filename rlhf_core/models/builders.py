@@ -15,8 +15,10 @@ through their own methods, so this module does not import DeepSpeed.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +223,63 @@ def model_skeleton(
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)
     return _with_adapters(model, lora, 0, head=score_head(model) if scalar else None)
+
+
+PROBE_VOCAB = 64  # the shrunken copy's vocabulary: the token ids a gradient probe feeds it are below this
+
+
+def shrunk_model(
+    path: str, tokenizer: Any, lora: Any, *, scalar: bool = False, trust_remote_code: bool = False
+) -> nn.Module:
+    """A copy of the model at ``path`` built from its config with random fp32 weights, few layers (``probe_layers``)
+    and a vocabulary of ``PROBE_VOCAB``, every expert routed, and the adapters of ``lora`` added as training adds
+    them (a 4-bit base aside: the adapters' path through the model is the same): what a check of the adapters'
+    gradients runs a forward and backward on, in well under a second for the tiny models."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if path.startswith(BUILTIN_PREFIX):
+        config = _builtin_config(path[len(BUILTIN_PREFIX) :], len(tokenizer), tokenizer, "sdpa")
+    else:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    text = config.get_text_config()
+    n = probe_layers(text)
+    if isinstance(vars(text).get("layer_types"), list):  # (Jamba derives its own from the periods)
+        text.layer_types = text.layer_types[:n]
+    text.num_hidden_layers = n
+    text.vocab_size = min(text.vocab_size, PROBE_VOCAB)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(text, name, None), int) and getattr(text, name) >= text.vocab_size:
+            setattr(text, name, None)
+    experts = next((getattr(text, k) for k in EXPERT_KEYS if isinstance(getattr(text, k, None), int)), 0)
+    if experts and isinstance(getattr(text, "num_experts_per_tok", None), int):
+        text.num_experts_per_tok = experts  # an expert no probe token reaches would get no gradient
+        if isinstance(getattr(text, "n_group", None), int):
+            text.topk_group = text.n_group
+    if scalar:
+        config.num_labels = 1
+    auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = auto.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    plain = replace(lora, load_in_4bit=False) if getattr(lora, "load_in_4bit", False) else lora
+    return _with_adapters(model, plain, 0, head=score_head(model) if scalar else None)
+
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def probe_layers(config: Any) -> int:
+    """The fewest leading layers in which each kind of layer of the model appears: Jamba's attention and expert
+    layers repeat with their periods (``attn_layer_period``, ``expert_layer_period``), ``layer_types`` lists each
+    layer's kind, DeepSeek's first ``first_k_dense_replace`` layers are dense; one layer for a uniform stack."""
+    periods = [getattr(config, k, None) for k in ("attn_layer_period", "expert_layer_period")]
+    n = math.lcm(*(p for p in periods if isinstance(p, int) and p > 0))
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and types:
+        n = max(n, *(types.index(t) + 1 for t in set(types)))
+    dense_first = getattr(config, "first_k_dense_replace", None)
+    if isinstance(dense_first, int):
+        n = max(n, dense_first + 1)
+    return min(n, config.num_hidden_layers)
 
 
 def _with_adapters(model: nn.Module, lora: Any, seed: int, head: nn.Module | None = None) -> nn.Module:

@@ -189,3 +189,29 @@ def scalar_values(
     if aux_loss is not None:
         _append_aux_loss(aux_loss, unwrap(model).hf_model, routed, real)
     return values
+
+
+def adapters_without_gradient(model: nn.Module, *, scalar: bool = False) -> list[str]:
+    """The LoRA layers of ``model`` (a causal LM, or with ``scalar`` a sequence-classification model) whose adapter
+    weights get no gradient (``grad is None``) from a forward and backward on a few tokens through the training
+    forward (``causal_lm_logprobs``, ``scalar_values``). A model can read a wrapped layer's weight itself instead of
+    calling the layer (Jamba's Mamba mixer: ``self.dt_proj.weight @ x``), so the adapter is never in the graph and
+    would never train. B starts at zero, so A's gradient is zero, not None, on a layer that is in the graph."""
+    from rlhf_core.models.builders import ScalarHeadModel
+    from rlhf_core.models.lora import ADAPTER, lora_layers
+
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(12).reshape(2, 6) % vocab
+    mask = torch.ones_like(ids)
+    if scalar:
+        out = scalar_values(ScalarHeadModel(model), ids, mask, pack=False)
+    else:
+        out = causal_lm_logprobs(model, ids, mask, torch.ones(2, 5), pack=False)
+    out.sum().backward()
+    missing = []
+    for name in lora_layers(model):
+        layer = model.get_submodule(name)
+        params = [*layer.lora_A[ADAPTER].parameters(), *layer.lora_B[ADAPTER].parameters()]
+        if any(p.grad is None for p in params):
+            missing.append(name)
+    return missing

@@ -83,9 +83,13 @@ def fingerprint(model: torch.nn.Module) -> dict:
 def lora_report(model: torch.nn.Module) -> dict:
     """A built model's LoRA adapters: the adapted layers (short names), their scaling and dropout, and the parameters
     that train (their count and the modules they belong to)."""
-    from rlhf_core.models.lora import lora_layers
+    from rlhf_core.models.lora import lora_layers, plain_name
 
-    layers = lora_layers(model)
+    # an adapted parameter (lora.target_parameters) by its own name: its wrapper is the module that holds it
+    layers = {
+        plain_name(f"{k}.{v.parameter_name}") if hasattr(v, "parameter_name") else k: v
+        for k, v in lora_layers(model).items()
+    }
     modules = model.named_modules()
     dropout = {
         round(float(m.p), 6) for name, m in modules if name.endswith("lora_dropout.default") and hasattr(m, "p")

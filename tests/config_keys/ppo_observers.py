@@ -100,6 +100,29 @@ def role_lora(role: str):
     return observe
 
 
+def role_export(role: str):
+    """The files of the trained role's output as its export writes them (``TrainableRole.export``: ``export_hf``
+    with the context's ``adapter_record``) for the model it builds (``role_lora``'s path)."""
+    from rlhf_core.distributed.actor import PolicyActor
+    from rlhf_core.distributed.critic import CriticActor
+    from rlhf_core.distributed.node_files import local_model_path
+    from rlhf_core.models.builders import load_tokenizer
+    from tests.config_keys.probes_training import export_files
+
+    def observe(cfg: PipelineConfig, stage: str) -> Any:
+        def build():
+            ctx = _ppo_setup(cfg, stage).role_context(role)
+            ctx = dataclasses.replace(ctx, model_source=ctx.model_path, model_path=local_model_path(ctx.model_path))
+            tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path)
+            obj = (PolicyActor if role == "actor" else CriticActor)(ctx)
+            return export_files(obj.build_model(tokenizer, torch.float32, "sdpa"), tokenizer, ctx)
+
+        return outcome(build)
+
+    observe.__name__ = f"{role}_export"
+    return observe
+
+
 def rollout_sampling(cfg: PipelineConfig, stage: str) -> Any:
     """PPOController.rollout_sampling(0): how fit() samples step 0's rollout, on the device start() decides."""
 

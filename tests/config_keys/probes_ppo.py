@@ -22,6 +22,7 @@ from tests.config_keys.ppo_observers import (
     recomputation,
     report_part,
     role_ds_config,
+    role_export,
     role_lora,
     role_lr_curve,
     role_model,
@@ -32,7 +33,13 @@ from tests.config_keys.ppo_observers import (
     sampling,
     train_phase,
 )
-from tests.config_keys.probes_training import checkpoint_steps, critic_written, logged_steps, lora_probes
+from tests.config_keys.probes_training import (
+    checkpoint_steps,
+    critic_written,
+    logged_steps,
+    lora_export_probe,
+    lora_probes,
+)
 
 PACKING_FOLLOWERS = {"actor": ("actor", "reward", "reference"), "critic": ("critic",)}
 
@@ -273,6 +280,7 @@ def ppo_section(kind: str) -> dict[str, Probe]:
     }
     for role in ("actor", "critic") if trains_actor else ("critic",):  # the trained roles' adapters
         out |= lora_probes(f"{role}.model", role_lora(role), base=BUILTIN_BASES[role])
+        out |= lora_export_probe(f"{role}.model", role_export(role), base=BUILTIN_BASES[role])
         stat = "aux_loss" if role == "actor" else "critic_aux_loss"
         out[f"{role}.model.aux_loss_coef"] = probe(  # an MoE model's load-balancing loss joins the role's loss
             f"{{stage}}.{role}.model.aux_loss_coef=0.5",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from rlhf_core.config import PipelineConfig, StrategyConfig, TrainConfig
 from rlhf_core.data.examples import kto_examples, preference_examples, sft_examples
 from rlhf_core.data.sampler import global_batch, total_steps
 from rlhf_core.distributed import launcher
+from rlhf_core.distributed.checkpoints import adapter_record, export_hf
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
 from rlhf_core.jobs import common, critic_init, dpo, kto, reward_model, sft
@@ -108,6 +110,39 @@ def rank_lora(cfg: PipelineConfig, stage: str) -> Any:
     return outcome(build)
 
 
+def rank_export(cfg: PipelineConfig, stage: str) -> Any:
+    """The files of the stage's output as its export writes them (``export_stage``: ``export_hf`` with the
+    context's ``adapter_record``) for the model a rank builds (``rank_lora``'s path)."""
+
+    def build():
+        ctx = common.setup_stage(cfg, stage).context()
+        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
+        model = _stage_trainer(cfg, stage, ctx).build_model(tokenizer, torch.float32, "sdpa")
+        return export_files(model, tokenizer, ctx)
+
+    return outcome(build)
+
+
+def export_files(model: torch.nn.Module, tokenizer: Any, ctx: Any) -> list[str]:
+    """The names of the files ``export_hf`` writes for ``model`` with ``ctx``'s ``adapter_record``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = export_hf(model, model.state_dict(), tokenizer, Path(tmp) / "out", adapter=adapter_record(ctx))
+        return sorted(p.name for p in out.iterdir())
+
+
+def lora_export_probe(prefix: str, observe: Any, base: tuple[str, ...] = (), slow: bool = False) -> dict[str, Probe]:
+    """``<prefix>.lora.export``: the output folder a plain model's or a PEFT adapter folder's files."""
+    return {
+        f"{prefix}.lora.export": probe(
+            f"{{stage}}.{prefix}.lora.export=adapter",
+            observe=observe,
+            base=(*base, f"{{stage}}.{prefix}.lora.rank=4"),
+            slow=slow,
+            expect=lambda a, b: "config.json" in a and "config.json" not in b and "adapter_model.safetensors" in b,
+        )
+    }
+
+
 def lora_probes(prefix: str, observe: Any, base: tuple[str, ...] = (), slow: bool = False) -> dict[str, Probe]:
     """The ``<prefix>.lora.*`` keys, each seen in the adapters of the model built (``harness.lora_report``)."""
     on = (*base, f"{{stage}}.{prefix}.lora.rank=4")
@@ -156,6 +191,17 @@ def lora_probes(prefix: str, observe: Any, base: tuple[str, ...] = (), slow: boo
             expect=lambda a, b: (
                 "embed_tokens" in b["trainable_modules"] and "embed_tokens" not in a["trainable_modules"]
             ),
+        ),
+        f"{key}.target_parameters": probe(  # on an MoE model, q_proj alone: all-linear reaches the experts too
+            f"{{stage}}.{key}.target_parameters=[mlp.experts.gate_up_proj]",
+            observe=observe,
+            base=(
+                *on,
+                f"{{stage}}.{prefix}.name_or_path=builtin:tiny-moe",
+                f"{{stage}}.{key}.target_modules=[q_proj]",
+            ),
+            slow=slow,
+            expect=lambda a, b: (a["layers"], b["layers"]) == (["q_proj"], ["gate_up_proj", "q_proj"]),
         ),
     }
 
@@ -412,6 +458,7 @@ TRAINING_SECTION: dict[str, Probe] = {
     ),
     "model.init_seed": probe("{stage}.model.init_seed=1", observe=rank_model),
     **lora_probes("model", rank_lora),
+    **lora_export_probe("model", rank_export),
     "model.aux_loss_coef": probe(
         "{stage}.model.aux_loss_coef=0.5",
         observe=first_loss,

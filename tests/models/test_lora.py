@@ -1,7 +1,10 @@
 """LoRA adapters (``rlhf_core.models.lora``) on the builtin tiny models: they start as the plain model, only they (and
 a value head) train under the project's DeepSpeed strategy, a checkpoint holds them and restores the same logits, the
-merged export is the trained model, and merging for a sync is out of place. The live sync into vLLM is in
-``tests/distributed/test_engine_placement.py``."""
+merged export is the trained model, and merging for a sync is out of place. An adapter export (``lora.export:
+adapter``) reloads to the trained model through the project's loader and plain peft, also as a ``stage:`` reference.
+The live sync into vLLM is in ``tests/distributed/test_engine_placement.py``."""
+
+import json
 
 import pytest
 import torch
@@ -268,3 +271,142 @@ def test_qlora_trains_the_adapters_over_a_4bit_base_and_serves_its_dequantised_m
     assert not getattr(exported.config, "quantization_config", None)
     with torch.no_grad():
         assert (exported(_ids(2)).logits - trained).abs().max().item() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# lora.export: adapter. The stage's output is a PEFT adapter folder; every loader gets base + adapters merged.
+
+
+def _adapter_record(lora, source="builtin:tiny"):
+    from types import SimpleNamespace
+
+    from rlhf_core.distributed.checkpoints import adapter_record
+
+    ctx = SimpleNamespace(lora=lora, model_source=source, model_path="", init_seed=0, trust_remote_code=False)
+    return adapter_record(ctx)
+
+
+def _perturb(model, seed=3):
+    """Move what trains (adapters, modules_to_save, a value head) away from its start, as training would."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def _values(hf_model):
+    """A value model's per-token values through its backbone and ``score`` head (peft's wrapper of it included)."""
+    backbone = getattr(hf_model, hf_model.base_model_prefix)
+    return hf_model.score(backbone(input_ids=_ids(2)).last_hidden_state).squeeze(-1)
+
+
+def test_a_saved_adapter_reloads_to_the_same_logits(tok, world, tmp_path):
+    """An adapter export (peft's files, no model weights) loads through the project's loader
+    (``node_files.local_model_path``: base + adapters merged) and through plain ``peft.PeftModel.from_pretrained`` to
+    the trained model's logits; a value model keeps its head, QLoRA merges over the base quantised again."""
+    from peft import PeftModel
+
+    from rlhf_core.distributed.node_files import local_model_path
+
+    lora = LoraConfig(rank=4, alpha=8.0, modules_to_save=["embed_tokens"], export="adapter")
+    strategy, engine = _engine(_lm(tok, lora=lora))
+    for seed in (0, 1):
+        _step(engine, seed)
+    with torch.no_grad():
+        trained = engine.module(_ids(2)).logits
+    path = export_hf(engine.module, strategy.full_state_dict(engine), tok, tmp_path / "adapter", _adapter_record(lora))
+    files = {p.name for p in path.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "adapter_base.json", "tokenizer.json"} <= files
+    assert "config.json" not in files and "model.safetensors" not in files
+    merged = local_model_path(str(path), cache=tmp_path / "cache")
+    assert local_model_path(str(path), cache=tmp_path / "cache") == merged  # merged once per node
+    with torch.no_grad():
+        loaded = build_causal_lm(merged, tok, seed=1, dtype=torch.float32, attn="sdpa")(_ids(2)).logits
+        assert (loaded - trained).abs().max().item() < 1e-5
+        peft_model = PeftModel.from_pretrained(_lm(tok, lora=None), str(path)).eval()
+        assert (peft_model(_ids(2)).logits - trained).abs().max().item() < 1e-5
+
+    # a value model: the adapters on its backbone and the trained head (peft's modules_to_save: score)
+    value_lora = LoraConfig(rank=4, alpha=8.0, export="adapter")
+    rm = _perturb(build_scalar_model("builtin:tiny", tok, seed=0, dtype=torch.float32, attn="sdpa", lora=value_lora))
+    wrapped = ScalarHeadModel(rm)  # (as the stages export it)
+    rm_path = export_hf(wrapped, wrapped.state_dict(), tok, tmp_path / "rm", _adapter_record(value_lora))
+    assert json.loads((rm_path / "adapter_config.json").read_text())["modules_to_save"] == ["score"]
+    merged_rm = local_model_path(str(rm_path), cache=tmp_path / "cache")
+    other_head = build_scalar_model("builtin:tiny", tok, seed=0, dtype=torch.float32, attn="sdpa")
+    with torch.no_grad():
+        other_head.score.weight.zero_()
+        values = _values(rm)
+        loaded = build_scalar_model(merged_rm, tok, seed=5, dtype=torch.float32, attn="sdpa")
+        assert (_values(loaded) - values).abs().max().item() < 1e-5
+        assert (_values(other_head) - values).abs().max().item() > 1e-3  # (the head is the trained one)
+        peft_rm = PeftModel.from_pretrained(other_head, str(rm_path)).eval()
+        assert (_values(peft_rm.base_model.model) - values).abs().max().item() < 1e-5
+
+    # QLoRA: the merge is dequant(quant(W)) + s B A, the 4-bit model exactly
+    qlora = LoraConfig(rank=4, alpha=8.0, load_in_4bit=True, export="adapter")
+    quantised = _perturb(_lm(tok, lora=qlora)).eval()
+    q_path = export_hf(quantised, quantised.state_dict(), tok, tmp_path / "qlora", _adapter_record(qlora))
+    merged_q = local_model_path(str(q_path), cache=tmp_path / "cache")
+    with torch.no_grad():
+        loaded = build_causal_lm(merged_q, tok, seed=1, dtype=torch.float32, attn="sdpa")(_ids(2)).logits
+        assert (loaded - quantised(_ids(2)).logits).abs().max().item() < 1e-5
+
+
+def test_a_stage_base_is_recorded_by_content_and_found_in_the_store_or_beside_the_folder(tok, tmp_path):
+    """An adapter trained over ``stage:sft`` loads from the store (a ``StageModel``, as the workers get it) and from
+    the run folder on disk; a base replaced since is refused."""
+    from rlhf_core.distributed.node_files import local_model_path, stage_model
+    from rlhf_core.models.builders import ModelPathError
+    from rlhf_core.storage import ArtifactError, ObjectStore
+
+    store = ObjectStore(str(tmp_path / "run"))
+    base_dir = tmp_path / "base"
+    _lm(tok, lora=None, seed=7).save_pretrained(str(base_dir))
+    tok.save_pretrained(str(base_dir))
+    store.put_artifact(str(base_dir), "sft", stage="sft", config_hash="h0")
+    lora = LoraConfig(rank=4, alpha=8.0, export="adapter")
+    model = _perturb(build_causal_lm(str(base_dir), tok, seed=0, dtype=torch.float32, attn="sdpa", lora=lora))
+    record = _adapter_record(lora, source=stage_model(store, "sft"))
+    assert record.base == "stage:sft" and record.base_content == stage_model(store, "sft").content_hash
+    export_hf(model, model.state_dict(), tok, tmp_path / "export", record)
+    store.put_artifact(str(tmp_path / "export"), "dpo", stage="dpo", config_hash="h1")
+    with torch.no_grad():
+        trained = model(_ids(2)).logits
+        for source in (stage_model(store, "dpo"), str(tmp_path / "run" / "dpo")):
+            path = local_model_path(source, cache=tmp_path / "cache")
+            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            assert (loaded(_ids(2)).logits - trained).abs().max().item() < 1e-5, source
+    _lm(tok, lora=None, seed=8).save_pretrained(str(base_dir))  # sft reran: another base
+    store.put_artifact(str(base_dir), "sft", stage="sft", config_hash="h2")
+    with pytest.raises(ArtifactError, match=r"adapters trained over another stage:sft output .*: rerun dpo"):
+        local_model_path(stage_model(store, "dpo"), cache=tmp_path / "cache2")
+    with pytest.raises(ModelPathError, match=r"is not the stage:sft output these adapters were trained over"):
+        local_model_path(str(tmp_path / "run" / "dpo"), cache=tmp_path / "cache2")
+
+
+def test_a_stage_reference_to_an_adapter_export_loads_the_trained_model(tmp_path):
+    """A short SFT job (in this process) with ``lora.export=adapter``: its output is the adapter folder, and the
+    reward model's ``stage:sft`` resolves to base + adapters merged, the model peft loads over the base."""
+    from peft import PeftModel
+
+    from rlhf_core.config import load_config
+    from rlhf_core.distributed.cluster import LocalCluster
+    from rlhf_core.jobs import common, sft
+    from tests.conftest import TINY
+
+    overrides = ["sft.model.lora.rank=4", "sft.model.lora.export=adapter", "sft.data.max_samples=32"]
+    cfg = load_config(TINY, [f"run_uri={tmp_path / 'run'}", *overrides])
+    sft.run(cfg, "sft", cluster=LocalCluster())
+    out = tmp_path / "run" / "sft"
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "config.json").exists()
+    st = common.setup_stage(cfg, "reward_model")
+    tok = load_tokenizer(st.model_path)
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(st.model_path, dtype=torch.float32)(_ids(2)).logits
+        peft_model = PeftModel.from_pretrained(_lm(tok, lora=None), str(out)).eval()
+        assert (loaded - peft_model(_ids(2)).logits).abs().max().item() < 1e-5
+    assert (loaded - _lm(tok, lora=None)(_ids(2)).logits).abs().max().item() > 1e-4  # the adapters trained
+    common.remove_scratch()
