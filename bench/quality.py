@@ -74,6 +74,7 @@ METHODS = {
     "rloo": _evaluated("tiny-rloo", "eval_rloo"),
     "rlvr": _evaluated("tiny-rlvr", "eval_rlvr"),
     "qlora_dpo": _evaluated("tiny-qlora-dpo", "eval_dpo"),
+    "jamba": _evaluated("tiny-jamba", "eval_grpo"),
     "ppo": Method(
         "tiny",
         ("ppo", "gold_reward_before"),
@@ -88,6 +89,13 @@ METHODS = {
         ("ppo", "gold_reward_after"),
         ("ppo", "kl_to_ref_after"),
         note="PPO with LoRA actor and critic, evaluated as ppo",
+    ),
+    "moe": Method(
+        "tiny-moe",
+        ("ppo", "gold_reward_before"),
+        ("ppo", "gold_reward_after"),
+        ("ppo", "kl_to_ref_after"),
+        note="PPO on the tiny Qwen3-MoE builtin from its own SFT policy, evaluated as ppo",
     ),
 }
 

@@ -16,7 +16,7 @@ def test_all_methods_by_default_and_a_selection_in_the_benchmarks_order():
 
 @pytest.mark.parametrize("text", ["dpo,sppo", ",", "DPO"])
 def test_an_unknown_method_is_refused_naming_the_known(text):
-    with pytest.raises(ValueError, match=r"in --methods \(known: dpo, kto, rejection_sampling, .*ppo, lora\)"):
+    with pytest.raises(ValueError, match=r"in --methods \(known: dpo, kto, rejection_sampling, .*ppo, lora, moe\)"):
         select_methods(text)
 
 
@@ -25,7 +25,8 @@ def test_main_refuses_an_unknown_method_in_one_line_before_running_anything(tmp_
         main(["--methods", "dpo,sppo", "--root", str(tmp_path)])
     assert str(e.value) == (
         "error: unknown method 'sppo' in --methods "
-        "(known: dpo, kto, rejection_sampling, iterative_dpo, grpo, reinforce, rloo, rlvr, qlora_dpo, ppo, lora)"
+        "(known: dpo, kto, rejection_sampling, iterative_dpo, grpo, reinforce, rloo, rlvr, qlora_dpo, jamba, ppo, "
+        "lora, moe)"
     )
     assert not any(tmp_path.iterdir())
 
