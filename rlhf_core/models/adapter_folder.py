@@ -157,15 +157,18 @@ def merge_adapter(adapter_dir: str | Path, base_path: str, out: str | Path) -> P
 
 
 def local_base(adapter_dir: str | Path) -> str:
-    """The base of a local adapter folder: a ``stage:<name>`` base is the folder ``<name>`` beside it (the run
-    folder's layout), refused when it is not the output the adapters were trained over; any other base as recorded."""
+    """The base of a local adapter folder: a ``stage:<name>`` base is the folder ``<name>`` of the run folder that
+    holds it (beside it, or beside the stage folder that holds a role's output, such as ``ppo/critic``), refused
+    when it is not the output the adapters were trained over; any other base as recorded."""
     from rlhf_core.models.builders import ModelPathError
     from rlhf_core.storage import Manifest
 
     record = read_record(adapter_dir)
     if not record.base.startswith(STAGE_PREFIX):
         return record.base
-    base = Path(adapter_dir).resolve().parent / record.base[len(STAGE_PREFIX) :]
+    name = record.base[len(STAGE_PREFIX) :]
+    folders = [parent / name for parent in Path(adapter_dir).resolve().parents]
+    base = next((folder for folder in folders if (folder / MANIFEST).is_file()), folders[0])
     manifest = base / MANIFEST
     if not manifest.is_file():
         raise ModelPathError(f"{adapter_dir}: its base {record.base} is not a committed folder at {base}")

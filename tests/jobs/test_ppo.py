@@ -5,10 +5,12 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf_core.config import ConfigError
 from rlhf_core.data.sampler import global_batch
+from rlhf_core.distributed.node_files import local_model_path
 from rlhf_core.distributed.placement import RoleSet, check_fits
 from rlhf_core.storage import ObjectStore
 from tests.clusters import NoWorkers
@@ -86,6 +88,7 @@ def test_ppo_with_lora_actor_and_critic_on_zero3_and_vllm(run_dir):
         "ppo.actor.model.lora.alpha=16",
         "ppo.actor.optim.lr=1e-3",
         "ppo.critic.model.lora.rank=8",
+        "ppo.critic.model.lora.export=adapter",
         "ppo.train.max_steps=2",
         "ppo.train.save_steps=1",
         "ppo.train.eval_prompts=8",
@@ -104,7 +107,13 @@ def test_ppo_with_lora_actor_and_critic_on_zero3_and_vllm(run_dir):
     actor_bytes = sum(e["size"] for name, e in checkpoint.files.items() if name.startswith("actor/"))
     model_bytes = sum(v.numel() * v.element_size() for v in sft_weights.values())
     assert actor_bytes < model_bytes / 2, (actor_bytes, model_bytes)
-    AutoModelForSequenceClassification.from_pretrained(str(run_dir / "ppo" / "critic"))
+    # the critic exported as a PEFT adapter folder, which loads as its warm-up base + adapters merged
+    critic = run_dir / "ppo" / "critic"
+    assert (critic / "adapter_config.json").is_file() and not (critic / "model.safetensors").exists()
+    merged = local_model_path(str(critic), cache=run_dir / "node-cache")
+    trained, warmup = load_file(f"{merged}/model.safetensors"), weights(run_dir, "critic_warmup")
+    assert trained.keys() == warmup.keys() and any(not torch.equal(trained[k], warmup[k]) for k in trained)
+    AutoModelForSequenceClassification.from_pretrained(merged)
 
 
 def test_ppo_raises_the_gold_reward_of_the_sft_policy(run_dir):
