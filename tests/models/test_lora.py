@@ -37,6 +37,17 @@ def _ids(seed: int = 0) -> torch.Tensor:
     return torch.randint(5, 500, (2, 11), generator=torch.Generator().manual_seed(seed))
 
 
+def check_merged_export(strategy, engine, tok, folder) -> None:
+    """The merged export of a trained engine's model is a plain model (no LoRA names) with the trained logits."""
+    with torch.no_grad():
+        trained = engine.module(_ids(2)).logits
+    path = export_hf(engine.module, strategy.full_state_dict(engine), tok, folder)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not any("lora" in n or "base_layer" in n for n, _ in plain.named_parameters())
+    with torch.no_grad():
+        assert (plain(_ids(2)).logits - trained).abs().max().item() < 1e-5
+
+
 def _lm(tok, lora=LORA, seed=0):
     return build_causal_lm("builtin:tiny", tok, seed=seed, dtype=torch.float32, attn="sdpa", lora=lora)
 
@@ -116,13 +127,7 @@ def test_the_merged_export_is_the_trained_model(tok, world, tmp_path):
     model = _lm(tok)
     strategy, engine = _engine(model)
     _step(engine)
-    with torch.no_grad():
-        trained = engine.module(_ids(2)).logits
-    path = export_hf(engine.module, strategy.full_state_dict(engine), tok, tmp_path / "merged")
-    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assert not any("lora" in n or "base_layer" in n for n, _ in plain.named_parameters())
-    with torch.no_grad():
-        assert (plain(_ids(2)).logits - trained).abs().max().item() < 1e-5
+    check_merged_export(strategy, engine, tok, tmp_path / "merged")
     # a value model's export: backbone merged, head as trained
     rm = ScalarHeadModel(build_scalar_model("builtin:tiny", tok, seed=0, dtype=torch.float32, attn="sdpa", lora=LORA))
     with torch.no_grad():

@@ -132,11 +132,9 @@ def world():
 def test_a_zero2_step_trains_the_expert_adapters_and_the_export_is_the_trained_model(tok, world, tmp_path):
     """The project's DeepSpeed strategy (ZeRO-2): two steps move every expert adapter and no base weight; the
     exported folder (the experts merged from the state dict) loads as the plain model computing the same logits."""
-    from transformers import AutoModelForCausalLM
-
     from rlhf_core.config import OptimConfig, StrategyConfig, TrainConfig
-    from rlhf_core.distributed.checkpoints import export_hf
     from rlhf_core.distributed.strategy import DeepSpeedStrategy
+    from tests.models.test_lora import check_merged_export
 
     model = _moe(tok)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -155,13 +153,7 @@ def test_a_zero2_step_trains_the_expert_adapters_and_the_export_is_the_trained_m
     after = dict(engine.module.named_parameters())
     assert all(torch.equal(after[n], v) for n, v in base.items())
     assert all(not torch.equal(after[n], v) for n, v in adapters.items())
-    with torch.no_grad():
-        trained = engine.module(_ids(2)).logits
-    path = export_hf(engine.module, strategy.full_state_dict(engine), tok, tmp_path / "merged")
-    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assert not any("lora" in n or "base_layer" in n for n, _ in plain.named_parameters())
-    with torch.no_grad():
-        assert (plain(_ids(2)).logits - trained).abs().max().item() < 1e-5
+    check_merged_export(strategy, engine, tok, tmp_path / "merged")
 
 
 def test_all_linear_reaches_the_fused_experts_and_router_as_peft_maps_them(tok):
