@@ -114,3 +114,15 @@ def test_nccl_weight_sync_with_colocated_engines_is_refused_naming_both_keys():
     )
     for allowed in (["ppo.rollout.weight_sync_backend=nccl"], ["ppo.placement.colocate_all=true"]):
         load_config(TINY, allowed)
+
+
+def test_dynamic_batch_needs_a_positive_budget_and_leaves_the_default_hash_alone():
+    for stage in ("ppo", "critic_warmup"):
+        with pytest.raises(ConfigError, match=rf"'{stage}.train.max_tokens_per_micro_batch': must be > 0 with"):
+            load_config(TINY, [f"{stage}.train.dynamic_batch=true", f"{stage}.train.max_tokens_per_micro_batch=0"])
+    base = load_config(TINY).stage("ppo")
+    off = load_config(TINY, ["ppo.train.dynamic_batch=false", "ppo.train.max_tokens_per_micro_batch=16384"])
+    assert stage_hash(off.stage("ppo")) == stage_hash(base)  # hashing._OFF_BY_DEFAULT: as before the keys existed
+    on = load_config(TINY, ["ppo.train.dynamic_batch=true"]).stage("ppo")
+    assert on.train.dynamic_batch and on.train.max_tokens_per_micro_batch == 16384
+    assert stage_hash(on) != stage_hash(base)

@@ -6,7 +6,14 @@ import typing
 
 import pytest
 
-from rlhf_core.algos.vocab import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+from rlhf_core.algos.vocab import (
+    ADVANTAGE_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    IS_CORRECTIONS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+)
 from rlhf_core.config import ConfigError, PPOAlgoConfig, load_config, stage_hash, to_yaml
 from tests.conftest import ROOT
 
@@ -39,6 +46,10 @@ GRPO = PRESETS / "tiny-grpo.yaml"
         (["ppo.algo.kl_loss_unbiased=true"], r"'ppo.algo.kl_loss_unbiased' applies to the KL loss term"),
         (["ppo.algo.kl_mode=loss", "ppo.algo.kl_coef=0"], r"'ppo.algo.kl_mode' = loss with kl_coef 0"),
         (["ppo.algo.is_correction_cap=0"], r"'ppo.algo.is_correction_cap'"),
+        (["ppo.algo.policy_loss=gspo"], r"'ppo.algo.policy_loss' = gspo .* 'ppo.algo.loss_agg' = seq_mean \(it is"),
+        (["ppo.algo.is_correction=tis", "ppo.algo.is_correction_threshold=[5.0,0.5]"], r"is_correction_threshold'"),
+        (["ppo.algo.is_correction_threshold=[0.5]"], r"'ppo.algo.is_correction_threshold': must be \[low, high\]"),
+        (["ppo.algo.is_correction=icepop", "ppo.algo.is_correction_cap=2"], r"'ppo.algo.is_correction_cap' and"),
         (["ppo.remote_rm_url=ftp://x/score"], r"'ppo.remote_rm_url' = 'ftp://x/score' must be an http"),
         (["ppo.remote_rm_url=http://h/score", "ppo.remote_rm.timeout_s=0"], r"'ppo.remote_rm.timeout_s'"),
         (["critic_warmup.algo.advantage_estimator=grpo"], r"critic_warmup.algo.advantage_estimator"),
@@ -82,7 +93,21 @@ def test_the_estimator_names_are_the_algorithms_own():
     assert typing.get_args(hints["advantage_estimator"]) == ADVANTAGE_ESTIMATORS
     assert typing.get_args(hints["kl_estimator"]) == KL_ESTIMATORS
     assert typing.get_args(hints["loss_agg"]) == LOSS_AGGREGATIONS
+    assert typing.get_args(hints["policy_loss"]) == POLICY_LOSSES
+    assert typing.get_args(hints["is_correction"]) == (typing.Literal[IS_CORRECTIONS], type(None))
     assert set(GROUP_ESTIMATORS) < set(ADVANTAGE_ESTIMATORS)
     choices = ", ".join(map(re.escape, ADVANTAGE_ESTIMATORS))
     with pytest.raises(ConfigError, match=f"'ppo.algo.advantage_estimator': choose one of {choices}$"):
         load_config(TINY, ["ppo.algo.advantage_estimator=ppo"])
+
+
+def test_gspo_and_the_is_correction_load_and_leave_the_default_hash_alone():
+    """The new actor-loss keys are off by default and out of the hash then (``hashing._OFF_BY_DEFAULT``)."""
+    base = load_config(TINY)
+    default = load_config(TINY, ["ppo.algo.policy_loss=ppo", "ppo.algo.is_correction_threshold=[0.5,5.0]"])
+    assert stage_hash(base.stage("ppo")) == stage_hash(default.stage("ppo"))
+    gspo = load_config(TINY, ["ppo.algo.policy_loss=gspo", "ppo.algo.loss_agg=seq_mean"]).stage("ppo")
+    assert gspo.algo.policy_loss == "gspo"
+    seq_mask = load_config(TINY, ["ppo.algo.is_correction=seq-mask-tis"]).stage("ppo")
+    assert seq_mask.algo.is_correction == "seq-mask-tis" and seq_mask.algo.is_correction_threshold == [0.5, 5.0]
+    assert stage_hash(seq_mask) != stage_hash(base.stage("ppo"))

@@ -120,7 +120,7 @@ class Experience(SequenceBatch):
     truncated: torch.Tensor | None = None  # (B,) bool, True where the response had no EOS (batching.ensure_eos)
     advantages: torch.Tensor | None = None  # (B, T-1) float, from ppo.gae (then possibly whitened); None before
     returns: torch.Tensor | None = None  # (B, T-1) float, returns (GAE: advantages + values); None before
-    # (B, T-1) float, truncated importance weights engine -> trainer (algo.is_correction_cap); None = off
+    # (B, T-1) float, off-policy weights engine -> trainer (algo.is_correction, is_correction_cap); None = off
     is_weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:

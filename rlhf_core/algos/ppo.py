@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 import torch
 
+from .gspo import gspo_log_ratio
 from .losses import last_token_index, masked_mean, masked_sum
-from .vocab import KL_ESTIMATORS, LOSS_AGGREGATIONS, KLEstimator, LossAggregation
+from .vocab import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, KLEstimator, LossAggregation, PolicyLoss
 
 
 def approx_kl(
@@ -213,14 +214,17 @@ def policy_loss_tokens(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     is_weights: torch.Tensor | None = None,
+    policy_loss: PolicyLoss = "ppo",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token PPO clipped surrogate loss, with clip-higher, dual clip and importance weights.
+    """Per-token PPO clipped surrogate loss, with clip-higher, dual clip, importance weights and GSPO's ratio.
 
-    ratio = exp(clamp(pi_logprobs - pi_old_logprobs, -20, 20));
+    ratio = exp(clamp(pi_logprobs - pi_old_logprobs, -20, 20)); ``policy_loss="gspo"``: GSPO-token's ratio
+    s_i,t (value: the row's sequence ratio s_i, gradient: logp_t's; ``gspo.gspo_log_ratio``), clipped the same way;
     loss_t = -min(ratio * A_t, clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A_t);
     dual clip (Ye et al. 2020), where A_t < 0: loss_t = min(loss_t, -dual_clip * A_t), so that a token whose ratio
     has run far above 1 + eps contributes at most dual_clip x |A| (and no gradient);
-    ``is_weights``: loss_t * w_t (truncated importance sampling between rollout engine and trainer, no grad).
+    ``is_weights``: loss_t * w_t (the off-policy correction between rollout engine and trainer, no grad;
+    ``is_correction.is_correction_weights``).
 
     Args:
         pi_logprobs: (B, T) log-probs under the policy being trained (with grad).
@@ -231,16 +235,21 @@ def policy_loss_tokens(
         clip_eps_high: its upper bound is 1 + clip_eps_high ("clip-higher", DAPO); None = clip_eps_low.
         dual_clip: c > 1, or None for no dual clip.
         is_weights: (B, T) weights, or None.
+        policy_loss: "ppo" (token ratio) or "gspo" (sequence ratio).
     Returns:
         (loss_t, stats): (B, T), 0 where ``action_mask`` is 0; ``clip_frac`` = fraction of action tokens where the
         clipped term is the (strict) minimum; ``approx_kl`` = token mean of pi_old_logprobs - pi_logprobs;
-        ``dual_clip_frac`` = fraction of action tokens where the dual-clip bound is the (strict) active one.
+        ``dual_clip_frac`` = fraction of action tokens where the dual-clip bound is the (strict) active one; gspo:
+        ``seq_ratio`` = mean of s_i over the rows with an action token.
     """
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    if policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {policy_loss!r}; choose one of {POLICY_LOSSES}")
     log_ratio = (pi_logprobs - pi_old_logprobs).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
+    gspo = policy_loss == "gspo"
+    ratio = (gspo_log_ratio(pi_logprobs, pi_old_logprobs, action_mask) if gspo else log_ratio).exp()
     surr = ratio * advantages
     surr_clipped = ratio.clamp(1 - clip_eps_low, 1 + high) * advantages
     loss_t = -torch.min(surr, surr_clipped)
@@ -259,6 +268,9 @@ def policy_loss_tokens(
             "approx_kl": masked_mean(-log_ratio, action_mask).item(),
             "dual_clip_frac": masked_mean(dual_active.to(surr.dtype), action_mask).item(),
         }
+        if gspo:
+            rows = action_mask.sum(1) > 0
+            stats["seq_ratio"] = ratio[:, 0][rows].mean().item() if bool(rows.any()) else 1.0
     return loss_t, stats
 
 
@@ -364,31 +376,6 @@ def kl_loss_tokens(
     if old_logprobs is not None:
         kl = kl * (logprobs - old_logprobs).clamp(-20.0, 20.0).exp()
     return torch.where(action_mask.bool(), kl, torch.zeros_like(kl))
-
-
-@torch.no_grad()
-def truncated_is_weights(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, action_mask: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """Truncated importance-sampling weights between the rollout engine and the trainer (TIS): the engine sampled
-    from its own numerics, the loss takes the trainer's log-probs as the behaviour policy.
-
-    w_t = min(exp(old_t - rollout_t), cap) on the action tokens; 1 where ``rollout_logprobs`` is NaN (no engine
-    log-prob) or the mask is 0.
-
-    Args:
-        old_logprobs: (B, T) the trainer's log-probs at rollout time.
-        rollout_logprobs: (B, T) the engine's, NaN where it reported none.
-        action_mask: (B, T).
-        cap: > 0.
-    Returns:
-        (B, T), no grad.
-    """
-    if not cap > 0:
-        raise ValueError(f"importance-weight cap must be > 0, got {cap}")
-    valid = action_mask.bool() & ~rollout_logprobs.isnan()
-    diff = torch.where(valid, old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs))
-    return torch.where(valid, diff.clamp(max=20.0).exp().clamp(max=cap), torch.ones_like(old_logprobs))
 
 
 def value_loss(

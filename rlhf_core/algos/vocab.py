@@ -19,3 +19,11 @@ KL_ESTIMATORS: tuple[KLEstimator, ...] = get_args(KLEstimator)
 # How the per-token policy loss becomes one number (ppo.py: aggregate_loss).
 LossAggregation = Literal["token_mean", "seq_mean", "seq_sum_norm"]
 LOSS_AGGREGATIONS: tuple[LossAggregation, ...] = get_args(LossAggregation)
+
+# How the policy ratio is formed (ppo.py: policy_loss_tokens): per token (PPO) or per sequence (GSPO, gspo.py).
+PolicyLoss = Literal["ppo", "gspo"]
+POLICY_LOSSES: tuple[PolicyLoss, ...] = get_args(PolicyLoss)
+
+# Off-policy correction between the rollout engine's log-probs and the trainer's (is_correction.py).
+ISCorrection = Literal["tis", "icepop", "seq-mask-tis"]
+IS_CORRECTIONS: tuple[ISCorrection, ...] = get_args(ISCorrection)

@@ -90,6 +90,9 @@ def check_rl(name: str, p: CriticWarmupConfig, critic: bool) -> None:
     for key in ("rollout_batch_size", "train_batch_size", "micro_train_batch_size", "micro_rollout_batch_size"):
         check(getattr(t, key) >= 1, f"{name}.train.{key}", getattr(t, key), "must be >= 1")
     check(t.keep_last >= 1, f"{name}.train.keep_last", t.keep_last, "must be >= 1")
+    budget = t.max_tokens_per_micro_batch
+    why = "must be > 0 with dynamic_batch on"
+    check(not t.dynamic_batch or budget > 0, f"{name}.train.max_tokens_per_micro_batch", budget, why)
     frozen = p.frozen
     check(frozen.zero_stage in (0, 3), f"{name}.frozen.zero_stage", frozen.zero_stage, "must be 0 or 3")
     if frozen.offload and frozen.zero_stage != 3:

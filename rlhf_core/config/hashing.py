@@ -31,14 +31,22 @@ _NOT_HASHED = {
     "offload",  # frozen.offload: where the frozen models' partitions live
 }
 
+# The PPO algo's later options at their defaults: PPO's token ratio, no off-policy correction.
+_OFF_BY_DEFAULT: dict[str, Any] = {"policy_loss": "ppo", "is_correction": None, "is_correction_threshold": [0.5, 5.0]}
+# train.dynamic_batch off, with its budget at the default: the hash a stage had before these keys existed.
+_OFF_BY_DEFAULT.update({"dynamic_batch": False, "max_tokens_per_micro_batch": 16384})
+
 
 def _off(key: str, value: Any) -> bool:
     """A section or key that is off as it is by default (LoRA with rank 0, no LoRA target_parameters, no MoE
-    auxiliary loss): left out, so that adding it to the config keeps the hashes of the stages that do not use it."""
+    auxiliary loss, ``_OFF_BY_DEFAULT``): left out, so that adding it to the config keeps the hashes of the stages that
+    do not use it."""
     if key == "aux_loss_coef":
         return value == 0
     if key == "target_parameters":  # lora: no parameter adapted directly
         return value == []
+    if key in _OFF_BY_DEFAULT:
+        return value == _OFF_BY_DEFAULT[key]
     return key == "lora" and isinstance(value, dict) and value.get("rank") == 0
 
 

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rlhf_core.algos.vocab import GROUP_ESTIMATORS, AdvantageEstimator, LossAggregation
+from rlhf_core.algos.vocab import GROUP_ESTIMATORS, AdvantageEstimator, ISCorrection, LossAggregation, PolicyLoss
 from rlhf_core.config.critic_warmup import CriticWarmupConfig, check_rl
 from rlhf_core.config.fields import ConfigError, check, opt, required
 from rlhf_core.config.rl import ROLE_KEYS_MOVED, ActorRole, CriticRole, RLTrainConfig, ValueAlgoConfig
@@ -41,11 +41,23 @@ class PPOAlgoConfig(ValueAlgoConfig):
         False, "kl_mode=loss: weigh the KL term by pi/pi_old (unbiased under rollout samples, DeepSeek-V3.2)."
     )
     entropy_coef: float = opt(0.0, "Entropy bonus: the actor loss minus this x the token entropy (0 = none).")
+    policy_loss: PolicyLoss = opt(
+        "ppo",
+        "Policy ratio: ppo = per token; gspo = per sequence, exp of the mean token log-ratio (GSPO; needs "
+        "loss_agg=seq_mean, and takes small clips such as eps_clip=3e-4, eps_clip_high=4e-4).",
+    )
     is_correction_cap: float | None = opt(
         None,
         "Truncated importance sampling between engine and trainer log-probs: each token's loss x min(exp(old - "
-        "rollout), cap); null = off.",
+        "rollout), cap); null = off. The same as is_correction=tis with is_correction_threshold [0, cap].",
     )
+    is_correction: ISCorrection | None = opt(
+        None,
+        "Off-policy correction by r = exp(old - rollout) per token (engine vs trainer log-probs), with "
+        "is_correction_threshold [low, high]: tis = loss x clamp(r, low, high); icepop = loss x r, 0 outside [low, "
+        "high]; seq-mask-tis = loss x r, rows whose geometric-mean r is outside [low, high] dropped; null = off.",
+    )
+    is_correction_threshold: list[float] = opt([0.5, 5.0], "[low, high] of algo.is_correction (0 <= low < high).")
     dynamic_filter: bool = opt(
         False, "Drop the prompts whose n samples all got the same reward (DAPO dynamic sampling; no signal)."
     )
@@ -109,6 +121,7 @@ class PPOConfig(CriticWarmupConfig):
         check(a.entropy_coef >= 0, f"{name}.algo.entropy_coef", a.entropy_coef, "must be >= 0")
         cap = a.is_correction_cap
         check(cap is None or cap > 0, f"{name}.algo.is_correction_cap", cap, "must be > 0 (e.g. 2.0)")
+        _check_off_policy(name, a)
         if a.kl_loss_unbiased and a.kl_mode != "loss":
             raise ConfigError(
                 f"'{name}.algo.kl_loss_unbiased' applies to the KL loss term: set '{name}.algo.kl_mode' "
@@ -118,6 +131,23 @@ class PPOConfig(CriticWarmupConfig):
         check(freeze >= 0, f"{name}.train.freeze_actor_steps", freeze, "must be >= 0")
         self.actor.optim.validate(f"{name}.actor.optim")
         check_rl(name, self, critic)
+
+
+def _check_off_policy(name: str, a: PPOAlgoConfig) -> None:
+    """GSPO's objective is a mean over sequences; the IS correction's thresholds; one of its two spellings."""
+    if a.policy_loss == "gspo" and a.loss_agg != "seq_mean":
+        raise ConfigError(
+            f"'{name}.algo.policy_loss' = gspo averages each sequence's clipped ratio: set '{name}.algo.loss_agg' "
+            f"= seq_mean (it is {a.loss_agg})"
+        )
+    low_high = a.is_correction_threshold
+    ok = len(low_high) == 2 and 0 <= low_high[0] < low_high[1]
+    check(ok, f"{name}.algo.is_correction_threshold", low_high, "must be [low, high] with 0 <= low < high")
+    if a.is_correction is not None and a.is_correction_cap is not None:
+        raise ConfigError(
+            f"'{name}.algo.is_correction_cap' and '{name}.algo.is_correction' both correct the engine's log-probs: "
+            f"keep one (is_correction_cap = c is is_correction=tis with is_correction_threshold [0, c])"
+        )
 
 
 def _training_strategy(w: CriticWarmupConfig) -> StrategyConfig:

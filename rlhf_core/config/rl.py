@@ -165,6 +165,18 @@ class RLTrainConfig:
     train_batch_size: int = opt(128, "Samples per optimizer step over all ranks (actor and critic).")
     micro_train_batch_size: int = opt(8, "Samples per forward/backward on one rank.")
     micro_rollout_batch_size: int = opt(16, "Samples per forward when making experience.")
+    dynamic_batch: bool = opt(
+        False,
+        "Token-budget micro-batches for the actor and critic: each rank's share of an optimizer step (and of each "
+        "experience forward) splits into the fewest balanced micro-batches of at most max_tokens_per_micro_batch "
+        "tokens, as many on every rank, instead of micro_train_batch_size / micro_rollout_batch_size rows (OpenRLHF "
+        "dynamic_batch_enable).",
+    )
+    max_tokens_per_micro_batch: int = opt(
+        16384,
+        "train.dynamic_batch's budget: prompt + response tokens (padding excluded) per micro-batch on one rank; a "
+        "longer sample goes alone.",
+    )
     num_episodes: int = opt(1, "Passes over the prompt set.")
     max_steps: int | None = opt(None, "Stop after this many PPO steps (default: num_episodes worth).")
     seed: int = opt(42, "Seed of prompt order, sampling and RNGs.")

@@ -81,7 +81,8 @@ class PolicyActor(TrainableRole):
     def fit(self, exp: Experience, step: int, kl_coef: float = 0.0) -> dict[str, float]:
         """PPO epochs on this rank's shard. Advantages are whitened over the whole batch across all actor ranks when
         the estimator asks for it (``advantages.whitens``: GAE with whiten_advantages, REINFORCE++). The loss per
-        token: the clipped surrogate (clip-higher, dual clip, truncated IS weights), plus ``kl_coef`` x the KL to the
+        token: the clipped surrogate (``algo.policy_loss``: PPO's token ratio or GSPO's sequence ratio; clip-higher,
+        dual clip, the off-policy weights of ``algo.is_correction``), plus ``kl_coef`` x the KL to the
         reference with ``algo.kl_mode=loss`` (``exp.ref_logprobs``), minus ``algo.entropy_coef`` x the entropy;
         aggregated over the window as ``algo.loss_agg`` says."""
         a = self.ctx.algo
@@ -109,6 +110,7 @@ class PolicyActor(TrainableRole):
                 a.eps_clip_high,
                 a.dual_clip,
                 micro.is_weights,
+                a.policy_loss,
             )
             if kl_loss:
                 old = micro.old_logprobs if a.kl_loss_unbiased else None
@@ -126,7 +128,8 @@ class PolicyActor(TrainableRole):
                 num_sequences=norm.sequences,
                 norm_len=self.ctx.max_new_tokens,
             )
-            loss, extra = with_aux_loss(loss, aux, self.ctx.aux_loss_coef)  # (DeepSpeed averages it over the window)
+            # (DeepSpeed averages it over the window; norm.aux_scale keeps that mean with train.dynamic_batch)
+            loss, extra = with_aux_loss(loss, aux, self.ctx.aux_loss_coef * norm.aux_scale)
             return loss, {**stats, **extra}
 
         stats = self.train_epochs(exp, step, loss_fn)

@@ -60,7 +60,7 @@ class CriticActor(TrainableRole):
             loss, out = value_loss(
                 values, micro.values, micro.returns, micro.action_mask, clip, num_tokens=norm.tokens
             )
-            loss, extra = with_aux_loss(loss, aux, self.ctx.aux_loss_coef)
+            loss, extra = with_aux_loss(loss, aux, self.ctx.aux_loss_coef * norm.aux_scale)
             return loss, {**out, **extra}
 
         stats_out = self.train_epochs(exp, step, loss_fn)

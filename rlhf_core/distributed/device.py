@@ -85,6 +85,17 @@ def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """In place: the element-wise maximum over the group's ranks, on the backend's device; returns ``tensor``."""
+    if not initialized():
+        return tensor
+    work = tensor.to(comm_device(group))
+    dist.all_reduce(work, op=dist.ReduceOp.MAX, group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
 def all_reduce_mean(value: float, group: Any = None) -> float:
     """The mean of a Python number over the group's ranks (float64 on the wire)."""
     if not initialized():

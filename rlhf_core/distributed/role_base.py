@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from rlhf_core.algos.dynamic_batch import agreed_micro_batch_counts, karmarkar_karp, micro_batch_weights
 from rlhf_core.algos.experience import SequenceBatch
 from rlhf_core.algos.losses import window_loss_scale
 from rlhf_core.config import LoraConfig, OptimConfig, PPOAlgoConfig, StrategyConfig, TrainConfig
@@ -52,6 +53,7 @@ class RoleContext:
     lora: LoraConfig | None = None  # <stage>.<role>.model.lora: LoRA adapters (rank 0: none)
     aux_loss_coef: float = 0.0  # <stage>.<role>.model.aux_loss_coef: the MoE load-balancing loss's weight
     model_source: ModelSource | None = None  # model_path before setup fetched it: an adapter export's base
+    max_tokens_per_micro_batch: int | None = None  # train.dynamic_batch on: the token budget of a micro-batch
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class WindowNorm:
 
     tokens: float
     sequences: float
+    aux_scale: float = 1.0  # the MoE aux loss's factor: gas x the micro-batch's share of its rank's window rows
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -104,14 +107,26 @@ class TrainableRole:
 
     @torch.no_grad()
     def forward_batches(self, batch: SequenceBatch, fn: Callable[[Any, SequenceBatch], torch.Tensor]) -> torch.Tensor:
-        """``fn(engine, micro_batch)`` over micro-batches of the rollout batch size, concatenated (eval mode)."""
+        """``fn(engine, micro_batch)`` over micro-batches of the rollout batch size, concatenated (eval mode). With
+        ``train.dynamic_batch``: over token-budget micro-batches (``algos.dynamic_batch``), rows back in their order;
+        ZeRO-3 forwards gather the weights on every rank, so there the ranks agree on the count (all-reduce MAX)."""
         self.engine.eval()
-        outputs = [
-            fn(self.engine, device.to_device(micro, self.device)).float().cpu()
-            for micro in batch.split(self.ctx.micro_rollout_batch_size)
-        ]
+        budget = self.ctx.max_tokens_per_micro_batch
+        if budget is None:
+            micros, order = batch.split(self.ctx.micro_rollout_batch_size), None
+        else:
+            lengths = batch.attention_mask.sum(1).tolist()
+            reduce_max = self.strategy.all_reduce_max if self.ctx.strategy.zero_stage == 3 else None
+            (k,) = agreed_micro_batch_counts([lengths], budget, reduce_max)
+            parts = karmarkar_karp(lengths, k)
+            assert all(parts), f"{batch.size} rows on this rank cannot fill the {k} micro-batches other ranks need"
+            order = torch.tensor([i for part in parts for i in part])
+            micros = [batch.select_rows(torch.tensor(part)) for part in parts]
+        outputs = torch.cat([fn(self.engine, device.to_device(m, self.device)).float().cpu() for m in micros])
         self.engine.train()
-        return torch.cat(outputs)
+        if order is None:
+            return outputs
+        return torch.empty_like(outputs).index_copy_(0, order, outputs)
 
     def train_epochs(
         self, batch: B, step: int, loss_fn: Callable[[Any, B, WindowNorm], tuple[torch.Tensor, dict]]
@@ -125,48 +140,80 @@ class TrainableRole:
         ranks, so every action token of a window weighs 1 / N_window, whatever the length of its response and
         however the window splits into micro-batches (OpenRLHF 0.11's token mean over the global accumulation
         window). ``norm.sequences`` does the same for sequence-mean losses (``algo.loss_agg``). Returns ``loss`` =
-        the mean over windows of each window's loss, and the other stats averaged over micro-batches and ranks."""
+        the mean over windows of each window's loss, and the other stats averaged over micro-batches and ranks.
+
+        ``train.dynamic_batch``: a window (micro_train_batch_size x accumulation_steps rows of a rank) splits into
+        token-budget micro-batches instead (``_dynamic_windows``), as many on every rank; the losses above already
+        weigh each token by its window's count, so only the MoE aux loss (a per-micro-batch mean) needs
+        ``norm.aux_scale``, and the optimizer steps at the window's last micro-batch (the accumulation boundary is
+        set by hand, since DeepSpeed counts micro-batches in fixed windows)."""
         s = self.strategy
         n, micro_size, gas = batch.size, self.ctx.batch.micro_train_batch_size, s.accumulation_steps
         scale = window_loss_scale(gas, s.world_size)
+        dynamic = self.ctx.max_tokens_per_micro_batch is not None
         sums: dict[str, float] = {}
         count, loss_sum, windows = 0, 0.0, 0
         for epoch in range(self.ctx.algo.ppo_epochs):
             gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + step * 101 + epoch * 13 + s.rank)
-            micros = batch.select_rows(torch.randperm(n, generator=gen)).split(micro_size)
+            shuffled = batch.select_rows(torch.randperm(n, generator=gen))
+            micros = shuffled.split(micro_size)
             if len(micros) % gas:
                 raise ValueError(
                     f"{len(micros)} micro-batches of {micro_size} rows on this rank do not fill whole accumulation "
                     f"windows of {gas}: an optimizer step would straddle two PPO epochs"
                 )
+            if dynamic:
+                plan = self._dynamic_windows(shuffled.split(micro_size * gas))
+            else:
+                plan = [[(m, 1.0) for m in micros[w : w + gas]] for w in range(0, len(micros), gas)]
             # per window: [action tokens, sequences with an action token], summed over the ranks in one collective
             counts = torch.tensor(
                 [
                     [
-                        sum(int(m.action_mask.sum()) for m in micros[w : w + gas]),
-                        sum(int((m.action_mask.sum(1) > 0).sum()) for m in micros[w : w + gas]),
+                        sum(int(m.action_mask.sum()) for m, _ in window),
+                        sum(int((m.action_mask.sum(1) > 0).sum()) for m, _ in window),
                     ]
-                    for w in range(0, len(micros), gas)
+                    for window in plan
                 ],
                 dtype=torch.float64,
             )
             s.all_reduce_sum(counts)
             windows += len(counts)
-            for i, micro in enumerate(micros):
-                tokens, sequences = (max(float(c), 1.0) / scale for c in counts[i // gas])
-                norm = WindowNorm(tokens=tokens, sequences=sequences)
-                loss, stats = loss_fn(self.engine, device.to_device(micro, self.device), norm)
-                self.engine.backward(loss)
-                self.engine.step()
-                loss_sum += loss.item() / scale  # this micro-batch's share of its window's token mean
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
+            for w, window in enumerate(plan):
+                tokens, sequences = (max(float(c), 1.0) / scale for c in counts[w])
+                for j, (micro, aux_scale) in enumerate(window):
+                    norm = WindowNorm(tokens=tokens, sequences=sequences, aux_scale=aux_scale)
+                    if dynamic:
+                        self.engine.set_gradient_accumulation_boundary(j == len(window) - 1)
+                    loss, stats = loss_fn(self.engine, device.to_device(micro, self.device), norm)
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    loss_sum += loss.item() / scale  # this micro-batch's share of its window's token mean
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    count += 1
         totals = torch.tensor([loss_sum], dtype=torch.float64)
         s.all_reduce_sum(totals)
         out = {"loss": totals.item() / max(1, windows)}
         out.update({k: s.all_reduce_mean(v / count) for k, v in sums.items()})
         return out
+
+    def _dynamic_windows(self, windows: list[B]) -> list[list[tuple[B, float]]]:
+        """Each window's token-budget micro-batches (``algos.dynamic_batch``: first-fit count, MAX over the ranks,
+        Karmarkar-Karp on the rows' token counts) with their aux-loss factors: DeepSpeed divides every loss by its
+        fixed accumulation_steps, so accumulation_steps x n_micro / n_window makes the aux loss the window's
+        sample mean whatever the number of micro-batches."""
+        gas, budget = self.strategy.accumulation_steps, self.ctx.max_tokens_per_micro_batch
+        assert budget is not None
+        lengths = [w.attention_mask.sum(1).tolist() for w in windows]
+        ks = agreed_micro_batch_counts(lengths, budget, self.strategy.all_reduce_max)
+        plan = []
+        for window, lens, k in zip(windows, lengths, ks, strict=True):
+            parts = karmarkar_karp(lens, k)
+            assert all(parts), f"{window.size} rows on this rank cannot fill the {k} micro-batches other ranks need"
+            weights = micro_batch_weights(parts)
+            plan.append([(window.select_rows(torch.tensor(p)), gas * w) for p, w in zip(parts, weights, strict=True)])
+        return plan
 
     # -- checkpoints and export ---------------------------------------------------------------------------------------
     def save_shards(self, rel: str) -> dict[str, dict]:

@@ -128,6 +128,10 @@ class DeepSpeedStrategy:
         """In place: the element-wise sum over all ranks, issued on the process group's device (any input device)."""
         return device.all_reduce_sum(tensor)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In place: the element-wise maximum over all ranks (e.g. ``train.dynamic_batch``'s micro-batch counts)."""
+        return device.all_reduce_max(tensor)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         return device.all_gather_object(obj)
 

@@ -33,6 +33,7 @@ from rlhf_core import curves, events, run_layout, timing
 from rlhf_core.algos.advantages import cumulative_returns, shape_scores, varied_groups
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience
+from rlhf_core.algos.is_correction import is_correction_weights
 from rlhf_core.algos.logprob_gap import engine_logprob_tensor, rollout_logprob_gap
 from rlhf_core.algos.losses import masked_mean
 from rlhf_core.algos.ppo import (
@@ -42,7 +43,6 @@ from rlhf_core.algos.ppo import (
     gae,
     make_kl_controller,
     token_rewards,
-    truncated_is_weights,
 )
 from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, TrainConfig, as_ppo
 from rlhf_core.data.examples import prompt_examples
@@ -209,6 +209,7 @@ class PPOController:
                 train_batch_size=train.train_batch_size, micro_train_batch_size=train.micro_train_batch_size
             ),
             temperature=p.rollout.temperature,
+            max_tokens_per_micro_batch=train.max_tokens_per_micro_batch if train.dynamic_batch else None,
             **own,
         )
 
@@ -378,7 +379,7 @@ class PPOController:
         """Rewards -> penalties and clip -> group shaping -> token rewards (KL penalty with kl_mode=reward) -> GAE,
         or the returns (critic-free: the advantage is the return). Samples dropped by the reward function's ``keep``
         or ``algo.dynamic_filter`` lose their action tokens. ``engine_logprobs``: (B, T-1) the engines' log-probs
-        (NaN where none), for the truncated importance weights (``algo.is_correction_cap``)."""
+        (NaN where none), for the off-policy correction's weights (``algo.is_correction``, ``is_correction_cap``)."""
         algo, exp = self.p.algo, scored.exp
         # Missing-EOS penalty after normalisation and before clipping, as OpenRLHF adds its length penalties (DAPO
         # overlong, ProRL stop-properly) to the normalised reward before compute_reward clamps it.
@@ -404,8 +405,13 @@ class PPOController:
         else:
             returns = cumulative_returns(rewards, mask, algo.gamma)
             exp = exp.with_advantages(returns, returns)
-        if algo.is_correction_cap is not None and engine_logprobs is not None:
-            weights = truncated_is_weights(exp.old_logprobs, engine_logprobs, mask, algo.is_correction_cap)
+        is_logs: dict[str, float] = {}
+        if algo.is_correction_cap is not None:  # the older spelling of tis with [0, cap]
+            correction, (low, high) = "tis", (0.0, algo.is_correction_cap)
+        else:
+            correction, (low, high) = algo.is_correction, algo.is_correction_threshold
+        if correction is not None and engine_logprobs is not None:
+            weights, is_logs = is_correction_weights(exp.old_logprobs, engine_logprobs, mask, correction, low, high)
             exp = dataclasses.replace(exp, is_weights=weights)
         if not bool(keep.all()):
             exp = dataclasses.replace(exp, action_mask=mask * keep.unsqueeze(1).to(mask.dtype))
@@ -419,6 +425,7 @@ class PPOController:
             "response_len": mask.sum(1).float().mean().item(),
             "truncated_frac": truncated.float().mean().item(),
             "kl_coef": self.kl_ctl.value,
+            **is_logs,
         }
         if algo.dynamic_filter or scored.keep is not None:
             logs["filtered_frac"] = 1.0 - keep.float().mean().item()

@@ -1,6 +1,6 @@
 """Policy-loss options of ``rlhf_core.algos.ppo``: clip-higher, dual clip, importance weights, loss aggregation, the
-KL loss term (plain and unbiased) with its gradient, truncated IS weights, and the entropy of ``losses``; the
-expected values worked by hand."""
+KL loss term (plain and unbiased) with its gradient, and the entropy of ``losses``; the expected values worked by
+hand. The IS weights themselves: ``test_is_correction.py``; GSPO's ratio: ``test_gspo.py``."""
 
 import math
 
@@ -14,7 +14,6 @@ from rlhf_core.algos.ppo import (
     kl_loss_tokens,
     policy_loss,
     policy_loss_tokens,
-    truncated_is_weights,
 )
 
 ONE = torch.ones(1, 1)
@@ -112,16 +111,6 @@ def test_kl_loss_k3_value_and_gradient_plain_and_unbiased():
     assert kl.item() == pytest.approx(0.3862944, abs=1e-6)
     # masked tokens are 0
     assert kl_loss_tokens(torch.zeros(1, 1), ref, torch.zeros(1, 1)).item() == 0.0
-
-
-def test_truncated_is_weights_by_hand():
-    old = torch.zeros(1, 4)
-    rollout = torch.tensor([[math.log(2.0), -math.log(4.0), float("nan"), 5.0]])
-    mask = torch.tensor([[1, 1, 1, 0]])
-    # exp(0 - ln 2) = 0.5;  exp(0 + ln 4) = 4 -> cap 2;  NaN (no engine log-prob) -> 1;  masked -> 1
-    assert_close(truncated_is_weights(old, rollout, mask, cap=2.0), torch.tensor([[0.5, 2.0, 1.0, 1.0]]))
-    with pytest.raises(ValueError, match="cap must be > 0"):
-        truncated_is_weights(old, rollout, mask, cap=0.0)
 
 
 def test_entropy_by_hand_and_from_the_chunked_forward():

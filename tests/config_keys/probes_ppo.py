@@ -42,6 +42,12 @@ from tests.config_keys.probes_training import (
 )
 
 PACKING_FOLLOWERS = {"actor": ("actor", "reward", "reference"), "critic": ("critic",)}
+UNPACKED = ("{stage}.actor.strategy.packing=false", "{stage}.critic.strategy.packing=false")  # forwards show rows
+
+
+def _rows(report: dict, role: str) -> set[int]:
+    """The row counts of ``role``'s forwards in a ``micro_batches`` report."""
+    return {n for n, _ in report[role]}
 
 
 def packing_turned_off(roles: tuple[str, ...]) -> Callable[[Any, Any], bool]:
@@ -203,6 +209,26 @@ RL_PROBES: dict[str, Probe] = {
         observe=train_phase,
         slow=True,
         expect=lambda a, b: a["policy_loss"] != b["policy_loss"],
+    ),
+    "algo.is_correction": probe(  # r = e^-0.5 = 0.61 on every token, inside tis's [0.5, 5]: each loss x 0.61
+        "{stage}.algo.is_correction=tis",
+        observe=train_phase,
+        slow=True,
+        expect=lambda a, b: a["policy_loss"] != b["policy_loss"],
+    ),
+    "algo.is_correction_threshold": probe(  # icepop: r = 0.61 is inside [0.5, 5] and outside [0.7, 5]: all dropped
+        "{stage}.algo.is_correction_threshold=[0.7,5.0]",
+        observe=train_phase,
+        base=("{stage}.algo.is_correction=icepop",),
+        slow=True,
+        expect=lambda a, b: b["policy_loss"] == 0 != a["policy_loss"],
+    ),
+    "algo.policy_loss": probe(  # every token's log-ratio is 0.5, so GSPO's loss equals PPO's here: its seq_ratio
+        "{stage}.algo.policy_loss=gspo",
+        observe=train_phase,
+        base=("{stage}.algo.loss_agg=seq_mean",),
+        slow=True,
+        expect=lambda a, b: "seq_ratio" not in a and b["seq_ratio"] > 1.2,
     ),
     "reward_fn": probe(  # instead of the reward model: the response's length
         *BY_LENGTH,
@@ -524,6 +550,20 @@ def ppo_section(kind: str) -> dict[str, Probe]:
             slow=True,
             base=("{stage}.actor.strategy.packing=false", "{stage}.critic.strategy.packing=false"),
             expect=lambda a, b: all({n for n, _ in calls} == {4} for calls in b.values()),
+        ),
+        "train.dynamic_batch": probe(  # the default budget holds all 16 rows: one forward each, not 8 + 8
+            "{stage}.train.dynamic_batch=true",
+            observe=micro_batches,
+            slow=True,
+            base=UNPACKED,
+            expect=lambda a, b: _rows(b, "actor") == _rows(b, "critic") == {16} != _rows(a, "actor"),
+        ),
+        "train.max_tokens_per_micro_batch": probe(  # a budget of a few rows: more, smaller forwards
+            "{stage}.train.max_tokens_per_micro_batch=40",
+            observe=micro_batches,
+            slow=True,
+            base=(*UNPACKED, "{stage}.train.dynamic_batch=true"),
+            expect=lambda a, b: _rows(a, "actor") == {16} and max(_rows(b, "actor")) < 16,
         ),
         "train.num_episodes": probe("{stage}.train.num_episodes=2", observe=ppo_controller),
         "train.max_steps": probe("{stage}.train.max_steps=1", observe=ppo_controller),
