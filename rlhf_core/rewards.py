@@ -399,11 +399,12 @@ def reward_stats(stage: str, p: PPOConfig, reward_path: str | None) -> tuple[flo
 @dataclasses.dataclass
 class Scored:
     """A step's experience (its ``scores`` the sources' sum) with each reward source's raw (B,) scores and the reward
-    function's keep mask (or None)."""
+    function's keep mask (or None), and the experience phase's own metrics (where the old log-probs came from)."""
 
     exp: Experience
     parts: dict[str, torch.Tensor]
     keep: torch.Tensor | None = None
+    logs: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

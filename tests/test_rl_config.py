@@ -15,6 +15,7 @@ from rlhf_core.algos.vocab import (
     POLICY_LOSSES,
 )
 from rlhf_core.config import ConfigError, PPOAlgoConfig, load_config, stage_hash, to_yaml
+from rlhf_core.config.hashing import _off
 from tests.conftest import ROOT
 
 PRESETS = ROOT / "deployments" / "configs"
@@ -53,6 +54,15 @@ GRPO = PRESETS / "tiny-grpo.yaml"
         (["ppo.remote_rm_url=ftp://x/score"], r"'ppo.remote_rm_url' = 'ftp://x/score' must be an http"),
         (["ppo.remote_rm_url=http://h/score", "ppo.remote_rm.timeout_s=0"], r"'ppo.remote_rm.timeout_s'"),
         (["critic_warmup.algo.advantage_estimator=grpo"], r"critic_warmup.algo.advantage_estimator"),
+        (["ppo.train.async_queue_size=0"], r"invalid value 0 for 'ppo.train.async_queue_size': must be >= 1"),
+        (
+            ["ppo.train.async_enable=true", "ppo.rollout.backend=vllm", "ppo.rollout.enable_sleep=true"],
+            r"'ppo.train.async_enable' generates while .* set 'ppo.rollout.enable_sleep' = false or async_enable",
+        ),
+        (
+            ["ppo.train.async_enable=true", "ppo.placement.offload_states_during_rollout=true"],
+            r"'ppo.train.async_enable' .* set 'ppo.placement.offload_states_during_rollout' = false",
+        ),
     ],
 )
 def test_rl_config_mistakes_name_the_key(overrides, message):
@@ -111,3 +121,12 @@ def test_gspo_and_the_is_correction_load_and_leave_the_default_hash_alone():
     seq_mask = load_config(TINY, ["ppo.algo.is_correction=seq-mask-tis"]).stage("ppo")
     assert seq_mask.algo.is_correction == "seq-mask-tis" and seq_mask.algo.is_correction_threshold == [0.5, 5.0]
     assert stage_hash(seq_mask) != stage_hash(base.stage("ppo"))
+
+
+def test_async_training_stays_out_of_the_hash_until_turned_on():
+    """Off by default and then out of the hash (``hashing._OFF_BY_DEFAULT``): the stages keep their hashes."""
+    assert _off("async_enable", False) and _off("async_queue_size", 1)
+    base = load_config(TINY).stage("ppo")
+    on = load_config(TINY, ["ppo.train.async_enable=true"]).stage("ppo")
+    assert on.train.async_enable and on.train.async_queue_size == 1
+    assert stage_hash(on) != stage_hash(base)

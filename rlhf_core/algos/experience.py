@@ -102,7 +102,7 @@ class SequenceBatch(TensorBatch):
 
 
 # per-token fields of an Experience: (B, T-1) like action_mask; per-row fields: (B,)
-_PER_TOKEN = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns", "is_weights")
+_PER_TOKEN = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns", "is_weights", "rollout_logprobs")
 _PER_ROW = ("scores", "truncated")
 
 
@@ -113,7 +113,10 @@ class Experience(SequenceBatch):
     Shapes: B rows, T = width of ``input_ids``; per-token fields are (B, T-1) and aligned with ``action_mask``.
     """
 
-    old_logprobs: torch.Tensor  # (B, T-1) float, actor log-probs of the sampled tokens at rollout time
+    # (B, T-1) float, the behaviour policy's log-probs of the sampled tokens: the actor's at rollout time, or the
+    # engines' (algo.use_rollout_logprobs); None = not computed, the actor's training forward gives them, detached (a
+    # batch of one optimizer step: no update comes between the experience phase and that forward)
+    old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None = None  # (B, T-1) float, reference-model log-probs; None = no reference model
     values: torch.Tensor | None = None  # (B, T-1) float, critic values at rollout time; None = no critic
     scores: torch.Tensor  # (B,) float, the reward of each sequence (before penalties, clipping and group shaping)
@@ -122,6 +125,9 @@ class Experience(SequenceBatch):
     returns: torch.Tensor | None = None  # (B, T-1) float, returns (GAE: advantages + values); None before
     # (B, T-1) float, off-policy weights engine -> trainer (algo.is_correction, is_correction_cap); None = off
     is_weights: torch.Tensor | None = None
+    # (B, T-1) float, the engines' log-probs of the sampled tokens, NaN where none: sent to the actor only when
+    # old_logprobs is None (its IS weights and rollout_logprob_max_diff are then measured in the training forward)
+    rollout_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,11 +143,12 @@ class Experience(SequenceBatch):
         cls,
         seq: SequenceBatch,
         *,
-        old_logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
         scores: torch.Tensor,
         values: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
     ) -> Experience:
         """An Experience on the sequences of ``seq`` (shapes as in the field comments), without advantages yet."""
         return cls(
@@ -153,6 +160,7 @@ class Experience(SequenceBatch):
             values=values,
             scores=scores,
             truncated=truncated,
+            rollout_logprobs=rollout_logprobs,
         )
 
     def with_advantages(self, advantages: torch.Tensor, returns: torch.Tensor) -> Experience:

@@ -70,3 +70,16 @@ def is_correction_weights(
         "is_masked_frac": masked_mean(dropped.to(ratio.dtype), mask).item(),
     }
     return weights, stats
+
+
+def is_correction_setting(
+    kind: ISCorrection | None, threshold: list[float], cap: float | None
+) -> tuple[ISCorrection, float, float] | None:
+    """(kind, low, high) of the correction a config asks for, or None: ``cap`` (``algo.is_correction_cap``) is the
+    older spelling of tis on [0, cap]; otherwise ``kind`` (``algo.is_correction``) on ``threshold``."""
+    if cap is not None:
+        return "tis", 0.0, cap
+    if kind is None:
+        return None
+    low, high = threshold
+    return kind, low, high

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.algos.experience import Experience
+from rlhf_core.algos.experience import Experience, SequenceBatch
 
 
-def engine_logprob_tensor(exp: Experience, engine_logprobs: list[list[float]]) -> torch.Tensor:
+def engine_logprob_tensor(exp: SequenceBatch, engine_logprobs: list[list[float]]) -> torch.Tensor:
     """The engines' per-response log-probs placed on the action positions.
 
     Args:
-        exp: the step's experience; its ``action_mask`` (B, T-1) gives each response's action positions.
+        exp: the step's sequences (or experience); its ``action_mask`` (B, T-1) gives each response's action positions.
         engine_logprobs: B lists, the engine's log-prob of each sampled token, one per action token.
 
     Returns:
         (B, T-1) the engines' log-probs on the action positions, NaN elsewhere (and where an engine reported none).
     """
-    engine = torch.full_like(exp.old_logprobs, float("nan"))
+    engine = torch.full(exp.action_mask.shape, float("nan"), dtype=torch.float32)
     for i, lps in enumerate(engine_logprobs):
         positions = exp.action_mask[i].nonzero().flatten()
         if len(lps) != len(positions):
@@ -42,6 +42,7 @@ def rollout_logprob_gap(exp: Experience, engine: torch.Tensor) -> float:
     Returns:
         The largest absolute gap; 0.0 when nothing is comparable.
     """
+    assert exp.old_logprobs is not None, "the gap compares the engines' log-probs with the actor's"
     valid = exp.action_mask.bool() & ~engine.isnan()
     if not valid.any():
         return 0.0

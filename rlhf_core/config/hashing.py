@@ -35,6 +35,10 @@ _NOT_HASHED = {
 _OFF_BY_DEFAULT: dict[str, Any] = {"policy_loss": "ppo", "is_correction": None, "is_correction_threshold": [0.5, 5.0]}
 # train.dynamic_batch off, with its budget at the default: the hash a stage had before these keys existed.
 _OFF_BY_DEFAULT.update({"dynamic_batch": False, "max_tokens_per_micro_batch": 16384})
+# train.async_enable off, with its queue at the default (synchronous steps, as before the keys existed).
+_OFF_BY_DEFAULT.update({"async_enable": False, "async_queue_size": 1})
+# algo.use_rollout_logprobs off, with its bound at the default (the actor's forward, as before the keys existed).
+_OFF_BY_DEFAULT.update({"use_rollout_logprobs": False, "rollout_logprobs_max_diff": 0.1})
 
 
 def _off(key: str, value: Any) -> bool:

@@ -58,6 +58,18 @@ class PPOAlgoConfig(ValueAlgoConfig):
         "high]; seq-mask-tis = loss x r, rows whose geometric-mean r is outside [low, high] dropped; null = off.",
     )
     is_correction_threshold: list[float] = opt([0.5, 5.0], "[low, high] of algo.is_correction (0 <= low < high).")
+    use_rollout_logprobs: bool = opt(
+        False,
+        "A batch of several optimizer steps (ppo_epochs > 1 or train_batch_size < the rollout's samples): take the "
+        "engines' log-probs as the old ones instead of the actor's experience forward; the actor scores only its "
+        "first micro-batch to measure rollout_logprob_max_diff, and runs the whole forward when that exceeds "
+        "rollout_logprobs_max_diff. (One optimizer step per batch never runs that forward: exact.)",
+    )
+    rollout_logprobs_max_diff: float = opt(
+        0.1,
+        "use_rollout_logprobs: the largest |engine - actor| log-prob gap on the probed micro-batch that still takes "
+        "the engines' log-probs; above it the step falls back to the actor's forward.",
+    )
     dynamic_filter: bool = opt(
         False, "Drop the prompts whose n samples all got the same reward (DAPO dynamic sampling; no signal)."
     )
@@ -67,6 +79,13 @@ class PPOAlgoConfig(ValueAlgoConfig):
 class PPOTrainConfig(RLTrainConfig):
     freeze_actor_steps: int = opt(0, "First N PPO steps train only the critic (frozen-actor warm-up).")
     save_critic: bool = opt(True, "Also write the trained critic (to <run_uri>/<stage>/critic/).")
+    async_enable: bool = opt(
+        False,
+        "Generate the next steps' rollouts on a thread while this step trains (OpenRLHF async training): a batch is "
+        "sampled with one weight version, at most async_queue_size weight updates old when it trains. Not "
+        "reproducible run to run: which version samples a batch depends on timing.",
+    )
+    async_queue_size: int = opt(1, "train.async_enable: rollout batches the generator may run ahead of training.")
 
 
 @dataclass
@@ -129,12 +148,14 @@ class PPOConfig(CriticWarmupConfig):
             )
         freeze = self.train.freeze_actor_steps
         check(freeze >= 0, f"{name}.train.freeze_actor_steps", freeze, "must be >= 0")
+        _check_async(name, self)
         self.actor.optim.validate(f"{name}.actor.optim")
         check_rl(name, self, critic)
 
 
 def _check_off_policy(name: str, a: PPOAlgoConfig) -> None:
-    """GSPO's objective is a mean over sequences; the IS correction's thresholds; one of its two spellings."""
+    """GSPO's objective is a mean over sequences; the IS correction's thresholds, one of its two spellings, and
+    none with the engines' log-probs as the old ones (``use_rollout_logprobs``); the gap bound."""
     if a.policy_loss == "gspo" and a.loss_agg != "seq_mean":
         raise ConfigError(
             f"'{name}.algo.policy_loss' = gspo averages each sequence's clipped ratio: set '{name}.algo.loss_agg' "
@@ -143,11 +164,33 @@ def _check_off_policy(name: str, a: PPOAlgoConfig) -> None:
     low_high = a.is_correction_threshold
     ok = len(low_high) == 2 and 0 <= low_high[0] < low_high[1]
     check(ok, f"{name}.algo.is_correction_threshold", low_high, "must be [low, high] with 0 <= low < high")
+    bound = a.rollout_logprobs_max_diff
+    check(bound >= 0, f"{name}.algo.rollout_logprobs_max_diff", bound, "must be >= 0 (e.g. 0.1)")
+    if a.use_rollout_logprobs and (a.is_correction is not None or a.is_correction_cap is not None):
+        raise ConfigError(
+            f"'{name}.algo.use_rollout_logprobs' takes the engines' log-probs as the old ones, so the engine/trainer "
+            f"correction of '{name}.algo.is_correction' (or is_correction_cap) would weigh every token by 1: keep one"
+        )
     if a.is_correction is not None and a.is_correction_cap is not None:
         raise ConfigError(
             f"'{name}.algo.is_correction_cap' and '{name}.algo.is_correction' both correct the engine's log-probs: "
             f"keep one (is_correction_cap = c is is_correction=tis with is_correction_threshold [0, c])"
         )
+
+
+def _check_async(name: str, p: PPOConfig) -> None:
+    """Async generation overlaps training, so nothing may hand the devices from one phase to the other."""
+    queue = p.train.async_queue_size
+    check(queue >= 1, f"{name}.train.async_queue_size", queue, "must be >= 1")
+    for key, on in [
+        ("rollout.enable_sleep", p.rollout.enable_sleep),
+        ("placement.offload_states_during_rollout", p.placement.offload_states_during_rollout),
+    ]:
+        if p.train.async_enable and on:
+            raise ConfigError(
+                f"'{name}.train.async_enable' generates while the models train, so the devices cannot change hands "
+                f"between the phases: set '{name}.{key}' = false or async_enable = false"
+            )
 
 
 def _training_strategy(w: CriticWarmupConfig) -> StrategyConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,9 +13,17 @@ from torch import nn
 
 from rlhf_core.algos.advantages import whitens
 from rlhf_core.algos.experience import Experience, SequenceBatch
+from rlhf_core.algos.is_correction import is_correction_setting, is_correction_weights
+from rlhf_core.algos.logprob_gap import rollout_logprob_gap
 from rlhf_core.algos.losses import masked_mean
 from rlhf_core.algos.moe import aux_list, with_aux_loss
-from rlhf_core.algos.ppo import aggregate_loss, distributed_masked_whiten, kl_loss_tokens, policy_loss_tokens
+from rlhf_core.algos.ppo import (
+    aggregate_loss,
+    approx_kl,
+    distributed_masked_whiten,
+    kl_loss_tokens,
+    policy_loss_tokens,
+)
 from rlhf_core.distributed.role_base import TrainableRole, WindowNorm, logprob_temperature
 from rlhf_core.distributed.weight_sync.buckets import dtype_name
 from rlhf_core.models.builders import build_causal_lm
@@ -48,6 +57,33 @@ def _logprobs(
         with_entropy=with_entropy,
         aux_loss=aux_loss,
     )
+
+
+@torch.no_grad()
+def _measure_old(
+    old: torch.Tensor, micro: Experience, kl_estimator: Any, correction: Any, sums: dict[str, float]
+) -> torch.Tensor | None:
+    """What the controller measures from the old log-probs, measured on the training forward's (``old`` (N, T-1),
+    detached) when the experience phase skipped its forward: into ``sums`` the engine gap's max, the KL to the
+    reference summed per sequence and as token means, the IS correction's clipped and masked token counts. Returns
+    the IS weights (N, T-1), or None without a correction."""
+    mask, engine = micro.action_mask, micro.rollout_logprobs
+    weights = None
+    if engine is not None:
+        sums["gap"] = max(sums["gap"], rollout_logprob_gap(replace(micro, old_logprobs=old), engine))
+        if correction is not None:
+            weights, is_stats = is_correction_weights(old, engine, mask, *correction)
+            tokens = float(mask.sum())
+            sums["is_clipped"] += is_stats["is_clipped_frac"] * tokens
+            sums["is_masked"] += is_stats["is_masked_frac"] * tokens
+            sums["tokens"] += tokens
+    if micro.ref_logprobs is not None:
+        kl = approx_kl(old, micro.ref_logprobs, mask, kl_estimator)
+        rows = mask.sum(1) > 0
+        sums["kl"] += float((kl * mask).sum())
+        sums["kl_token_mean"] += float(masked_mean(kl, mask, dim=1)[rows].sum())
+        sums["rows"] += float(rows.sum())
+    return weights
 
 
 class PolicyActor(TrainableRole):
@@ -84,7 +120,13 @@ class PolicyActor(TrainableRole):
         token: the clipped surrogate (``algo.policy_loss``: PPO's token ratio or GSPO's sequence ratio; clip-higher,
         dual clip, the off-policy weights of ``algo.is_correction``), plus ``kl_coef`` x the KL to the
         reference with ``algo.kl_mode=loss`` (``exp.ref_logprobs``), minus ``algo.entropy_coef`` x the entropy;
-        aggregated over the window as ``algo.loss_agg`` says."""
+        aggregated over the window as ``algo.loss_agg`` says.
+
+        ``exp.old_logprobs`` None (a batch of one optimizer step, ``rlhf_core.old_logprobs``): no update came since
+        the experience phase, so the training forward's log-probs, detached, are the old ones (ratio 1: PPO's
+        gradient at ratio 1, exactly); the IS weights, ``rollout_logprob_max_diff`` and the KL to the reference
+        (``kl``, ``kl_token_mean``, over the samples with action tokens) are then measured on them
+        (``_measure_old``)."""
         a = self.ctx.algo
         assert exp.advantages is not None, "the actor trains on experience with advantages"
         if whitens(a.advantage_estimator, a.whiten_advantages):
@@ -94,6 +136,10 @@ class PolicyActor(TrainableRole):
         kl_loss = a.kl_mode == "loss"
         assert not kl_loss or exp.ref_logprobs is not None, "kl_mode=loss trains on the reference log-probs"
         temperature, pack = self.ctx.temperature, self.ctx.strategy.packing
+        from_training = exp.old_logprobs is None
+        assert not from_training or a.ppo_epochs == 1, "old log-probs from the training forward need one epoch"
+        correction = is_correction_setting(a.is_correction, a.is_correction_threshold, a.is_correction_cap)
+        sums = dict.fromkeys(("gap", "is_clipped", "is_masked", "tokens", "kl", "kl_token_mean", "rows"), 0.0)
 
         def loss_fn(model: Any, micro: Experience, norm: WindowNorm) -> tuple[torch.Tensor, dict]:
             mask, aux = micro.action_mask, aux_list(self.ctx.aux_loss_coef)
@@ -101,20 +147,16 @@ class PolicyActor(TrainableRole):
                 logp, entropy = _logprobs(model, micro, temperature, pack, with_entropy=True, aux_loss=aux)
             else:
                 logp, entropy = _logprobs(model, micro, temperature, pack, aux_loss=aux), None
+            old, is_weights = micro.old_logprobs, micro.is_weights
+            if old is None:
+                old = logp.detach()
+                is_weights = _measure_old(old, micro, a.kl_estimator, correction, sums)
             loss_t, stats = policy_loss_tokens(
-                logp,
-                micro.old_logprobs,
-                micro.advantages,
-                mask,
-                a.eps_clip,
-                a.eps_clip_high,
-                a.dual_clip,
-                micro.is_weights,
-                a.policy_loss,
+                logp, old, micro.advantages, mask, a.eps_clip, a.eps_clip_high, a.dual_clip, is_weights, a.policy_loss
             )
             if kl_loss:
-                old = micro.old_logprobs if a.kl_loss_unbiased else None
-                kl_t = kl_loss_tokens(logp, micro.ref_logprobs, mask, a.kl_estimator, old_logprobs=old)
+                unbiased = old if a.kl_loss_unbiased else None
+                kl_t = kl_loss_tokens(logp, micro.ref_logprobs, mask, a.kl_estimator, old_logprobs=unbiased)
                 loss_t = loss_t + kl_coef * kl_t
                 stats["kl_loss"] = masked_mean(kl_t.detach(), mask).item()
             if entropy is not None:
@@ -133,7 +175,19 @@ class PolicyActor(TrainableRole):
             return loss, {**stats, **extra}
 
         stats = self.train_epochs(exp, step, loss_fn)
-        return {"policy_loss" if k == "loss" else k: v for k, v in stats.items()}
+        out = {"policy_loss" if k == "loss" else k: v for k, v in stats.items()}
+        if from_training:  # every rank, alike: two collectives
+            names = ("is_clipped", "is_masked", "tokens", "kl", "kl_token_mean", "rows")
+            totals = self.strategy.all_reduce_sum(torch.tensor([sums[k] for k in names], dtype=torch.float64))
+            gap = self.strategy.all_reduce_max(torch.tensor([sums["gap"]], dtype=torch.float64)).item()
+            is_clipped, is_masked, tokens, kl, kl_token_mean, rows = totals.tolist()
+            if exp.rollout_logprobs is not None:
+                out["rollout_logprob_max_diff"] = gap
+            if correction is not None and exp.rollout_logprobs is not None:
+                out.update(is_clipped_frac=is_clipped / max(tokens, 1.0), is_masked_frac=is_masked / max(tokens, 1.0))
+            if exp.ref_logprobs is not None:
+                out.update(kl=kl / max(rows, 1.0), kl_token_mean=kl_token_mean / max(rows, 1.0))
+        return out
 
     # -- weight push to the rollout engines ---------------------------------------------------------------------------
     def connect_engines(

@@ -33,7 +33,7 @@ from rlhf_core import curves, events, run_layout, timing
 from rlhf_core.algos.advantages import cumulative_returns, shape_scores, varied_groups
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience
-from rlhf_core.algos.is_correction import is_correction_weights
+from rlhf_core.algos.is_correction import is_correction_setting, is_correction_weights
 from rlhf_core.algos.logprob_gap import engine_logprob_tensor, rollout_logprob_gap
 from rlhf_core.algos.losses import masked_mean
 from rlhf_core.algos.ppo import (
@@ -69,7 +69,9 @@ from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext, TrainableRole
 from rlhf_core.distributed.rollout.engine import SamplingConfig
 from rlhf_core.jobs import common
+from rlhf_core.jobs.async_rollout import AsyncRollout
 from rlhf_core.models.builders import load_tokenizer, stop_ids
+from rlhf_core.old_logprobs import engine_old_logprobs, old_logprobs_source, probe_rows
 from rlhf_core.ppo_eval import HeldOut, summary_metrics
 from rlhf_core.rewards import SOURCE_LOGS, RewardSources, Scored
 from rlhf_core.storage import ObjectStore
@@ -166,6 +168,7 @@ class PPOController:
         self.reward: WorkerGroup[RewardScorer] | None = None
         self.reference: WorkerGroup[ReferencePolicy] | None = None
         self.engines: Any = None
+        self.rollout: AsyncRollout | None = None  # train.async_enable: the generator thread
         self.placement: dict[str, Any] = {}
         self.placement_groups: list[Any] = []
         self.started = False
@@ -312,6 +315,8 @@ class PPOController:
         self.actor.call(PolicyActor.connect_engines, self.engines.handles, is_vllm, sync_backend, bucket_mb)
 
     def shutdown(self) -> None:
+        if self.rollout is not None:  # its thread first: it calls the engines
+            self.rollout.stop()
         for group in (self.actor, self.critic, self.reward, self.reference, self.engines):
             if group is not None:
                 group.shutdown()
@@ -329,18 +334,27 @@ class PPOController:
         responses: list[list[int]],
         prompts: list,
         timer: timing.PhaseTimer | None = None,
+        old: str = "forward",
+        engine_logprobs: list[list[float]] | None = None,
     ) -> Scored:
         """Old and reference log-probs, values (with a critic) and the summed reward sources, the roles concurrently
         on their shards while the driver calls the reward function and server. The reward model scores prompt +
         response + EOS where a response was cut (``ensure_eos``), as it was trained. ``timer``: each role's seconds
-        from the first dispatch to its last result, as ``experience_<role>``."""
+        from the first dispatch to its last result, as ``experience_<role>``. ``old``: where the old log-probs come
+        from (``rlhf_core.old_logprobs``); ``engine_logprobs``: the engines' per-response log-probs."""
         assert self.actor is not None
         n = len(responses) // len(prompt_ids)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         seq = make_sequences(expanded, responses, self.pad_id)
         closed, truncated = ensure_eos(responses, self.eos_id, self.stop_ids)
+        engine_lp = engine_logprob_tensor(seq, engine_logprobs) if engine_logprobs is not None else None
+        assert old == "forward" or engine_lp is not None, f"old log-probs from {old} need the engines' log-probs"
         started = time.perf_counter()
-        refs = {"actor": self.actor.call_each_async(PolicyActor.logprobs, seq.shard(len(self.actor)))}
+        shards, refs = seq.shard(len(self.actor)), {}
+        if old == "engine":  # the actor scores the first micro-batch of each rank's shard: the gap's probe
+            shards = [s.split(self.p.train.micro_rollout_batch_size)[0] for s in shards]
+        if old != "training":
+            refs["actor"] = self.actor.call_each_async(PolicyActor.logprobs, shards)
         if self.reference is not None:
             refs["reference"] = self.reference.call_each_async(
                 ReferencePolicy.logprobs, seq.shard(len(self.reference))
@@ -358,7 +372,7 @@ class PPOController:
                 timer.add(f"experience_{role}", sec)
         if "reward" in out:
             parts["reward"] = torch.cat(out["reward"])
-        old_logprobs = torch.cat(out["actor"])
+        old_logprobs, logs = self.old_logprobs(seq, old, engine_lp, out.get("actor"), timer)
         ref_logprobs = torch.cat(out["reference"]) if "reference" in out else None
         if ref_logprobs is None and self.ref_from_actor:
             ref_logprobs = old_logprobs
@@ -369,8 +383,37 @@ class PPOController:
             values=torch.cat(out["critic"]) if "critic" in out else None,
             ref_logprobs=ref_logprobs,
             truncated=truncated,
+            rollout_logprobs=engine_lp if old_logprobs is None else None,
         )
-        return Scored(exp, parts, keep)
+        return Scored(exp, parts, keep, logs)
+
+    def old_logprobs(
+        self,
+        seq: Any,
+        old: str,
+        engine_lp: torch.Tensor | None,
+        actor_out: list[torch.Tensor] | None,
+        timer: timing.PhaseTimer | None,
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The old log-probs (B, T-1) from ``old`` (``rlhf_core.old_logprobs``; None: "training") and their metrics:
+        ``old_logprob_forward_rows`` (rows the actor's experience forward scored), ``old_logprobs_engine`` (1: the
+        engines' are the old ones). A fallen-back "engine" step's whole forward counts in ``experience_actor``."""
+        if old == "training":
+            return None, {"old_logprob_forward_rows": 0.0, "old_logprobs_engine": 0.0}
+        assert self.actor is not None and actor_out is not None
+        if old == "engine":
+            assert engine_lp is not None
+            probed = probe_rows(seq.size, len(self.actor), self.p.train.micro_rollout_batch_size)
+            bound = self.p.algo.rollout_logprobs_max_diff
+            engine_old, logs, why = engine_old_logprobs(seq, engine_lp, probed, torch.cat(actor_out), bound)
+            if engine_old is not None:
+                return engine_old, {**logs, "old_logprob_forward_rows": float(len(probed)), "old_logprobs_engine": 1.0}
+            print(f"[{self.stage}] {why}: the actor's forward gives this step's old log-probs", flush=True)
+            started = time.perf_counter()
+            actor_out = self.actor.call_each(PolicyActor.logprobs, seq.shard(len(self.actor)))
+            if timer is not None:
+                timer.add("experience_actor", time.perf_counter() - started)
+        return torch.cat(actor_out), {"old_logprob_forward_rows": float(seq.size), "old_logprobs_engine": 0.0}
 
     # -- advantages ---------------------------------------------------------------------------------------------------
     def advantages(
@@ -392,9 +435,10 @@ class PPOController:
         if algo.dynamic_filter:
             keep = keep & varied_groups(scores, n)
         mask = exp.action_mask
-        # (B, T-1) KL to the reference on the action tokens; 0 without reference log-probs (no KL)
-        if exp.ref_logprobs is None:
-            kl = torch.zeros_like(exp.old_logprobs)
+        # (B, T-1) KL to the reference on the action tokens; 0 without reference log-probs (no KL), or without old
+        # log-probs (the actor measures it in its training forward; such a step has no KL in its rewards)
+        if exp.ref_logprobs is None or exp.old_logprobs is None:
+            kl = torch.zeros(mask.shape)
         else:
             kl = approx_kl(exp.old_logprobs, exp.ref_logprobs, mask, algo.kl_estimator)
         penalty = self.kl_ctl.value if algo.kl_mode == "reward" else 0.0
@@ -406,12 +450,10 @@ class PPOController:
             returns = cumulative_returns(rewards, mask, algo.gamma)
             exp = exp.with_advantages(returns, returns)
         is_logs: dict[str, float] = {}
-        if algo.is_correction_cap is not None:  # the older spelling of tis with [0, cap]
-            correction, (low, high) = "tis", (0.0, algo.is_correction_cap)
-        else:
-            correction, (low, high) = algo.is_correction, algo.is_correction_threshold
-        if correction is not None and engine_logprobs is not None:
-            weights, is_logs = is_correction_weights(exp.old_logprobs, engine_logprobs, mask, correction, low, high)
+        correction = is_correction_setting(algo.is_correction, algo.is_correction_threshold, algo.is_correction_cap)
+        # without old log-probs the actor weighs its loss from its training forward's log-probs
+        if correction is not None and engine_logprobs is not None and exp.old_logprobs is not None:
+            weights, is_logs = is_correction_weights(exp.old_logprobs, engine_logprobs, mask, *correction)
             exp = dataclasses.replace(exp, is_weights=weights)
         if not bool(keep.all()):
             exp = dataclasses.replace(exp, action_mask=mask * keep.unsqueeze(1).to(mask.dtype))
@@ -443,7 +485,8 @@ class PPOController:
         started = time.perf_counter()
         refs = {}
         if self.critic is not None:
-            critic_shards = dataclasses.replace(exp, ref_logprobs=None, is_weights=None).shard(len(self.critic))
+            critic_exp = dataclasses.replace(exp, ref_logprobs=None, is_weights=None, rollout_logprobs=None)
+            critic_shards = critic_exp.shard(len(self.critic))
             refs["critic_train"] = self.critic.call_each_async(CriticActor.fit, critic_shards, step)
         if not actor_frozen:
             refs["actor_train"] = self.actor.call_each_async(
@@ -565,6 +608,13 @@ class PPOController:
             seed_per_prompt=r.seeds_each_prompt(self.device),
         )
 
+    def generate(self, step: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Step ``step``'s responses and the engines' log-probs of them; with train.async_enable called on the
+        generator thread, up to async_queue_size steps ahead."""
+        indices = global_batch(len(self.prompts), self.p.train.rollout_batch_size, step, self.p.train.seed)
+        prompt_ids = [self.prompts[i]["prompt_ids"] for i in indices]
+        return self.engines.generate_with_logprobs(prompt_ids, self.rollout_sampling(step))
+
     def step_phases(self) -> list[str]:
         """The phases every step logs as ``timing/<phase>_s`` (0.0 when one did not run that step), besides
         ``timing/step_s``; ``experience_<role>``, ``critic_train`` and ``actor_train`` overlap within their phase."""
@@ -604,37 +654,47 @@ class PPOController:
         n_eval = len(self.held_out.examples)
         evaluating = f" ({eval_before_s:.1f}s of it evaluating {n_eval} prompts)" if eval_before_s and n_eval else ""
         print(f"[{stage}] first step {startup_s:.1f}s after the job started{evaluating}", flush=True)
+        # train.async_enable: a thread generates the next steps' rollouts while this loop trains (AsyncRollout)
+        self.rollout = AsyncRollout(self.generate, train.async_queue_size) if train.async_enable else None
+        batches = self.rollout.batches(state["step"], self.steps) if self.rollout else None
+        update = self.rollout.weight_update if self.rollout else contextlib.nullcontext
         for step in range(state["step"], self.steps):
             timer = timing.PhaseTimer(self.step_phases())
             # 1. rollout: step k reads prompts [k*R, (k+1)*R) of the seeded prompt stream
             indices = global_batch(len(self.prompts), train.rollout_batch_size, step, train.seed)
             prompt_ids = [self.prompts[i]["prompt_ids"] for i in indices]
             prompts = [self.prompts[i]["prompt"] for i in indices]
-            sampling = self.rollout_sampling(step)
             self.move_training_states(offload=True, timer=timer)
-            with timer.phase("generation"):
-                responses, engine_logprobs = self.engines.generate_with_logprobs(prompt_ids, sampling)
+            with timer.phase("generation"):  # async: the wait for the thread's batch
+                record, (responses, engine_logprobs) = next(batches) if batches else (None, self.generate(step))
+                assert record is None or record.index == step, f"step {step} got batch {record.index}"
                 self.engines.sleep()  # rollout.enable_sleep: the engines' GPU memory is the trainers' until the sync
-            # 2. experience
+            # 2. experience (the old log-probs: the actor's forward, its training forward's, or the engines')
+            actor_frozen = not self.train_actor or step < train.freeze_actor_steps
+            old = old_logprobs_source(self.p, actor_frozen, self.ref_from_actor)
             with timer.phase("experience"):
-                scored = self.experience(prompt_ids, responses, prompts, timer)
+                scored = self.experience(prompt_ids, responses, prompts, timer, old, engine_logprobs)
             # 3. rewards (sources summed, penalties, group shaping, KL penalty) and advantages (GAE or returns)
             with timer.phase("advantages"):
                 engine_lp = engine_logprob_tensor(scored.exp, engine_logprobs)
                 exp, logs = self.advantages(scored, engine_lp)
+                logs.update(scored.logs)
                 # The engines were synced after the last update: they sampled from the policy the actor now scores.
-                logs["rollout_logprob_max_diff"] = rollout_logprob_gap(scored.exp, engine_lp)
+                # (Old log-probs from the training forward: the actor measures it; the engines': the probe did.)
+                if scored.exp.old_logprobs is not None and not scored.logs["old_logprobs_engine"]:
+                    logs["rollout_logprob_max_diff"] = rollout_logprob_gap(scored.exp, engine_lp)
             # 4. PPO epochs: the critic always trains, the actor after the frozen warm-up steps
-            actor_frozen = not self.train_actor or step < train.freeze_actor_steps
             self.move_training_states(offload=False, timer=timer)
             with timer.phase("train"):
                 logs.update(self.train(exp, step, actor_frozen, timer))
             # 5. weight sync to the engines
             if not actor_frozen:
-                with timer.phase("weight_sync"):
+                with timer.phase("weight_sync"), update():
                     sync = self.push_weights()
                 logs.update(sync)
                 logs["sync_s"] = sync["weight_sync_s"]
+            if record is not None:  # the weight updates the step's rollout lagged (<= train.async_queue_size)
+                logs["rollout_staleness"] = record.staleness
             self.kl_ctl.update(logs["kl_token_mean"], len(responses))
             # 6. logging and checkpoints
             state["step"], state["consumed_prompts"] = step + 1, (step + 1) * train.rollout_batch_size

@@ -154,6 +154,8 @@ class FixedRole:
         numbers = torch.rand(batch.action_mask.shape, generator=gen)
         return [numbers if self.role == "critic" else -numbers]
 
+    call_each = call_each_async  # the results themselves, as a LocalWorkerGroup's
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The jobs of the dpo, kto, generate and score kinds in this process, without Ray: their worker groups local, their

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlhf_core.algos.batching import make_sequences
 from rlhf_core.config import PipelineConfig, TrainConfig, as_ppo
 from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed.device import resolve_device
@@ -258,6 +259,31 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
             "backed_off": any(b - a >= 0.5 for a, b in zip(times, times[1:])),
         }
     return out
+
+
+def old_logprobs_phase(cfg: PipelineConfig, stage: str) -> Any:
+    """PPOController.experience on FIXED_RESPONSES as fit() runs it for a step whose actor trains (the old log-probs'
+    source from ``rlhf_core.old_logprobs``), the roles answering fixed numbers (FixedRole) and the engines' log-probs
+    0.05 above the actor's: the source, the experience phase's metrics and the old log-probs."""
+    from rlhf_core.old_logprobs import old_logprobs_source
+
+    def run():
+        c = _ppo_setup(cfg, stage)
+        c.actor = FixedRole("actor")
+        c.critic = FixedRole("critic") if c.roles.critic else None
+        c.reward = FixedRole("reward") if c.roles.reward_model else None
+        c.reference = FixedRole("reference") if c.roles.reference else None
+        responses = [c.tokenizer.encode(t, add_special_tokens=False) + [c.eos_id] for t in FIXED_RESPONSES]
+        prompts = c.prompts[:2]
+        prompt_ids = [e["prompt_ids"] for e in prompts]
+        seq = make_sequences([ids for ids in prompt_ids for _ in range(2)], responses, c.pad_id)
+        (actor,) = FixedRole("actor").call_each_async(None, [seq])
+        engine = [(actor[i][seq.action_mask[i].bool()] + 0.05).tolist() for i in range(seq.size)]
+        source = old_logprobs_source(c.p, actor_frozen=False, ref_from_actor=c.ref_from_actor)
+        scored = c.experience(prompt_ids, responses, [e["prompt"] for e in prompts], None, source, engine)
+        return {"source": source, "logs": scored.logs, "old": _rounded(scored.exp.old_logprobs)}
+
+    return outcome(run)
 
 
 def ppo_plan(cfg: PipelineConfig, stage: str) -> Any:

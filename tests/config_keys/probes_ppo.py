@@ -17,6 +17,7 @@ from tests.config_keys.ppo_observers import (
     first_prompts,
     frozen_engines,
     micro_batches,
+    old_logprobs_phase,
     ppo_controller,
     ppo_plan,
     recomputation,
@@ -39,6 +40,7 @@ from tests.config_keys.probes_training import (
     logged_steps,
     lora_export_probe,
     lora_probes,
+    rollout_staleness,
 )
 
 PACKING_FOLLOWERS = {"actor": ("actor", "reward", "reference"), "critic": ("critic",)}
@@ -215,6 +217,17 @@ RL_PROBES: dict[str, Probe] = {
         observe=train_phase,
         slow=True,
         expect=lambda a, b: a["policy_loss"] != b["policy_loss"],
+    ),
+    "algo.use_rollout_logprobs": probe(  # tiny: 2 optimizer steps per batch; the engines 0.05 above the actor
+        "{stage}.algo.use_rollout_logprobs=true",
+        observe=old_logprobs_phase,
+        expect=lambda a, b: a["logs"]["old_logprobs_engine"] == 0 and b["logs"]["old_logprobs_engine"] == 1,
+    ),
+    "algo.rollout_logprobs_max_diff": probe(  # the probed gap 0.05 is above 0.01: the step falls back
+        "{stage}.algo.rollout_logprobs_max_diff=0.01",
+        observe=old_logprobs_phase,
+        base=("{stage}.algo.use_rollout_logprobs=true",),
+        expect=lambda a, b: a["logs"]["old_logprobs_engine"] == 1 and b["logs"]["old_logprobs_engine"] == 0,
     ),
     "algo.is_correction_threshold": probe(  # icepop: r = 0.61 is inside [0.5, 5] and outside [0.7, 5]: all dropped
         "{stage}.algo.is_correction_threshold=[0.7,5.0]",
@@ -601,6 +614,21 @@ def ppo_section(kind: str) -> dict[str, Probe]:
             base=PPO_RUN_BASE,
             slow=True,
             expect=lambda a, b: (a, b) == (True, False),
+        )
+        # The fake engines answer at once, so the generator thread runs as far ahead as the queue lets it.
+        out["train.async_enable"] = probe(
+            "{stage}.train.async_enable=true",
+            observe=rollout_staleness,
+            base=PPO_RUN_BASE,
+            slow=True,
+            expect=lambda a, b: (a, b) == ([None] * 3, [0, 1, 1]),
+        )
+        out["train.async_queue_size"] = probe(
+            "{stage}.train.async_queue_size=2",
+            observe=rollout_staleness,
+            base=(*PPO_RUN_BASE, "{stage}.train.async_enable=true"),
+            slow=True,
+            expect=lambda a, b: (a, b) == ([0, 1, 1], [0, 1, 2]),
         )
         # the same run as save_steps / log_steps: one run for the three
         for key in ("train.save_steps", "train.log_steps"):

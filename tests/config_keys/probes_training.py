@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core import events
+from rlhf_core import events, run_layout
 from rlhf_core.config import PipelineConfig, StrategyConfig, TrainConfig
 from rlhf_core.data.examples import kto_examples, preference_examples, sft_examples
 from rlhf_core.data.sampler import global_batch, total_steps
@@ -374,7 +374,7 @@ _JOBS: dict[str, dict] = {}
 def job_run(cfg: PipelineConfig, stage: str) -> dict:
     """The stage's job run for real, once per distinct config, on this process as the cluster (``LocalCluster``: one
     rank, no Ray), its trainers noting their batch sizes: checkpoints kept, step events, metrics, the critic
-    output."""
+    output, a PPO job's step history."""
     key = content_key(cfg, stage)
     if key in _JOBS:
         return _JOBS[key]
@@ -393,8 +393,16 @@ def job_run(cfg: PipelineConfig, stage: str) -> dict:
             os.environ[events.EVENTS_ENV] = saved_env
     checkpoints = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / stage / "checkpoints").glob("step_*"))
     steps = [e["step"] for e in map(json.loads, events_file.read_text().splitlines()) if e["event"] == "step"]
-    critic = ObjectStore(str(run_dir)).is_complete(f"{stage}/critic")
-    _JOBS[key] = {"checkpoints": checkpoints, "step_events": steps, "metrics": ref.metrics, "critic": critic}
+    store = ObjectStore(str(run_dir))
+    critic = store.is_complete(f"{stage}/critic")
+    history = store.read_json(run_layout.metrics(stage)).get("history") if cfg.kind(stage) == "ppo" else None
+    _JOBS[key] = {
+        "checkpoints": checkpoints,
+        "step_events": steps,
+        "metrics": ref.metrics,
+        "critic": critic,
+        "history": history,
+    }
     return _JOBS[key]
 
 
@@ -416,6 +424,11 @@ def checkpoint_steps(cfg, stage):
 def logged_steps(cfg, stage):
     """Steps the job reported (step events of rank 0 / of the PPO controller)."""
     return job_run(cfg, stage)["step_events"]
+
+
+def rollout_staleness(cfg, stage):
+    """The weight updates each step's rollout lagged (train.async_enable; None: generated in the step)."""
+    return [entry.get("rollout_staleness") for entry in job_run(cfg, stage)["history"]]
 
 
 def critic_written(cfg, stage):

@@ -9,15 +9,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_core import timing
+from rlhf_core import run_layout, timing
 from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience
+from rlhf_core.algos.logprob_gap import engine_logprob_tensor, rollout_logprob_gap
 from rlhf_core.algos.ppo import KL_ESTIMATORS, approx_kl
 from rlhf_core.config import as_ppo, load_config
 from rlhf_core.distributed.cluster import LocalCluster, LocalWorkerGroup
 from rlhf_core.distributed.placement import RoleSet, needs_kl, resource_demand, role_workers
 from rlhf_core.jobs import common, ppo
 from rlhf_core.models.builders import load_tokenizer
+from rlhf_core.old_logprobs import old_logprobs_source
 from rlhf_core.ppo_eval import HeldOut
 from rlhf_core.rewards import RewardSources, Scored
 from rlhf_core.storage import ObjectStore
@@ -258,3 +260,103 @@ def test_the_probes_and_evaluations_run_with_the_training_states_offloaded(tmp_p
     for i in work:  # each engine call comes while the states of both trained roles (actor, critic) are offloaded
         before = events[:i]
         assert before.count("offload_states") - before.count("reload_states") == 2, (i, events)
+
+
+# -- the old log-probs of a batch of one optimizer step: the training forward's -------------------------------------
+ONE_STEP = (  # 2 prompts x 2 samples = train_batch_size: one optimizer step; the KL in the loss, not the rewards
+    "ppo.train.rollout_batch_size=2",
+    "ppo.train.train_batch_size=4",
+    "ppo.train.micro_train_batch_size=2",
+    "ppo.train.micro_rollout_batch_size=2",
+    "ppo.algo.kl_mode=loss",
+    "ppo.algo.kl_loss_unbiased=true",
+    "ppo.algo.is_correction=tis",
+    "ppo.reference.model.name_or_path=builtin:tiny",  # weights of another seed: a KL to the reference above 0
+    "ppo.reference.model.init_seed=11",
+)
+
+
+def test_a_batch_of_one_optimizer_step_runs_no_old_logprob_forward_and_trains_alike(start):
+    """The same step twice from the same weights: with the actor's old-log-prob forward, and as fit() runs it (no
+    forward: the training forward's log-probs, detached). The loss, every gradient, the KL to the reference, the IS
+    correction's statistics and the engine gap agree within 1e-6; the actor's model runs no experience forward."""
+    prompts, texts = [[5, 6, 7], [8, 9]], ["first", "second"]
+    runs = {}
+    for old in ("forward", "training"):
+        c = start("ppo", *ONE_STEP)
+        assert old_logprobs_source(c.p, actor_frozen=False, ref_from_actor=c.ref_from_actor) == "training"
+        eos, actor = c.eos_id, c.actor.obj
+        responses = [[20, 21, eos], [22, 23, 24, 25], [26, eos], [27, 28, 29]]
+        if not runs:  # the engines' log-probs: the starting actor's, 0.3 off in turn (IS weights e^+-0.3)
+            seq = make_sequences([p for p in prompts for _ in range(2)], responses, c.pad_id)
+            lp = actor.logprobs(seq)
+            engine = [
+                [lp[i, t].item() + 0.3 * (-1) ** t for t in seq.action_mask[i].nonzero().flatten()] for i in range(4)
+            ]
+        module = actor.engine.module
+        forwards: list[int] = []
+        hook = module.register_forward_pre_hook(lambda *_, seen=forwards: seen.append(1))
+        scored = c.experience(prompts, responses, texts, timing.PhaseTimer(), old, engine)
+        hook.remove()
+        calls = len(c.actor.seen)  # the shards the actor group was given, for the old-log-prob forward
+        exp, logs = c.advantages(scored, engine_logprob_tensor(scored.exp, engine))
+        logs.update(scored.logs)
+        grads: dict[str, torch.Tensor] = {}
+        hooks = [
+            p.register_hook(lambda g, n=n, out=grads: out.__setitem__(n, g.detach().clone()))
+            for n, p in module.named_parameters()
+            if p.requires_grad
+        ]
+        stats = c.train(exp, 0, actor_frozen=False)
+        for h in hooks:
+            h.remove()
+        if old == "forward":
+            logs["rollout_logprob_max_diff"] = rollout_logprob_gap(
+                scored.exp, engine_logprob_tensor(scored.exp, engine)
+            )
+        runs[old] = {"forwards": len(forwards), "seen": calls, "logs": {**logs, **stats}, "grads": grads}
+    forward, training = runs["forward"], runs["training"]
+    assert forward["forwards"] == 2 and forward["seen"] == 1  # two micro-batches of 2 rows
+    assert training["forwards"] == 0 and training["seen"] == 0
+    assert forward["logs"]["old_logprob_forward_rows"] == 4 and training["logs"]["old_logprob_forward_rows"] == 0
+    keys = ("policy_loss", "kl_loss", "kl", "kl_token_mean", "is_clipped_frac", "rollout_logprob_max_diff")
+    for key in keys:
+        assert training["logs"][key] == pytest.approx(forward["logs"][key], abs=1e-6), key
+    assert forward["logs"]["kl"] > 0 and forward["logs"]["rollout_logprob_max_diff"] == pytest.approx(0.3, abs=1e-5)
+    assert forward["grads"].keys() == training["grads"].keys() and forward["grads"]
+    for name, grad in forward["grads"].items():
+        torch.testing.assert_close(training["grads"][name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "forward_rows", "engine"),
+    [
+        (("ppo.train.train_batch_size=32", "ppo.algo.kl_mode=loss"), 0.0, 0.0),  # one step: no forward
+        (("ppo.algo.use_rollout_logprobs=true",), 8.0, 1.0),  # two steps: the engines', one micro-batch probed
+    ],
+)
+def test_each_step_logs_where_its_old_logprobs_came_from(tmp_path, overrides, forward_rows, engine):
+    """The stage in this process (tiny: 16 prompts x 2 samples, train_batch_size 16, micro-batches of 8): a batch
+    of one optimizer step runs no old-log-prob forward and the actor measures the engine gap and the KL; with
+    use_rollout_logprobs the HF engine's log-probs (the actor's numerics on CPU) pass the probe."""
+    cfg = load_config(
+        TINY,
+        [
+            f"run_uri={tmp_path / 'run'}",
+            *(f"ppo.{role}.model.name_or_path={MODEL}" for role in ("actor", "critic", "reward")),
+            "ppo.reference.model.name_or_path=builtin:tiny",
+            "ppo.reference.model.init_seed=11",
+            "ppo.algo.normalize_reward=false",
+            "ppo.train.max_steps=2",
+            "ppo.train.eval_prompts=0",
+            *overrides,
+        ],
+    )
+    ppo.run(cfg, "ppo", cluster=LocalCluster())
+    history = ObjectStore(str(tmp_path / "run")).read_json(run_layout.metrics("ppo"))["history"]
+    assert len(history) == 2
+    for entry in history:
+        assert entry["old_logprob_forward_rows"] == forward_rows and entry["old_logprobs_engine"] == engine
+        if forward_rows == 0:
+            assert entry["timing/experience_actor_s"] == 0.0
+        assert 0 <= entry["rollout_logprob_max_diff"] < 1e-3 and entry["kl_token_mean"] > 0, entry
