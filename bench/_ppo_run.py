@@ -64,6 +64,14 @@ def add_size_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="another override for every run, e.g. --set ppo.rollout.num_engines=2",
     )
+    parser.add_argument(
+        "--new-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for this checkout's run only (keys the baseline may not know), e.g. "
+        "--new-set ppo.train.async_enable=true",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run directories and job logs")
 
 
@@ -151,9 +159,9 @@ class Run:
         return {name: self.mean(f"timing/{name}_s") for name in order}
 
 
-def run_ppo(args: argparse.Namespace, label: str, code: Path = ROOT) -> Run:
-    """The ppo stage of the tiny preset, at the benchmark's size, as the job of the code at ``code``; its step lines
-    are echoed here as they come."""
+def run_ppo(args: argparse.Namespace, label: str, code: Path = ROOT, extra: list[str] | None = None) -> Run:
+    """The ppo stage of the tiny preset, at the benchmark's size and with the ``extra`` overrides, as the job of the
+    code at ``code``; its step lines are echoed here as they come."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-ppo-{label}-"))
     log_path = run_dir / "job.log"
     cmd = [
@@ -166,6 +174,7 @@ def run_ppo(args: argparse.Namespace, label: str, code: Path = ROOT) -> Run:
         "ppo",
         f"run_uri={run_dir / 'run'}",
         *overrides(args),
+        *(extra or []),
     ]
     env = {
         **os.environ,

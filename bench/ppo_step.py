@@ -1,6 +1,7 @@
 """Seconds per phase of a PPO step at 24M, and generated tokens/s, against a baseline revision, in one run.
 
     python -m bench.ppo_step [--steps 3] [--baseline-rev d3d2d8d | --no-baseline] [--model builtin:medium]
+                             [--new-set ppo.train.async_enable=true ...]
 
 The size (bench._ppo_run): builtin:medium (24M) actor, reference, critic and reward model, 16 prompts, 64 new
 tokens, 4 PPO epochs, separate critic, fp32. Each version runs the ppo stage as its real job
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_baseline:
         tree = _ppo_run.baseline_tree(args.baseline_rev)
         base = _ppo_run.run_ppo(args, f"base-{args.baseline_rev}", tree)
-    new = _ppo_run.run_ppo(args, "new")
+    new = _ppo_run.run_ppo(args, "new", extra=args.new_set)
 
     f = _ppo_run.fmt
     phases = new.phases()

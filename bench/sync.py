@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     base = None
     if args.baseline_rev:
         base = _ppo_run.run_ppo(args, f"base-{args.baseline_rev}", _ppo_run.baseline_tree(args.baseline_rev))
-    new = _ppo_run.run_ppo(args, "new")
+    new = _ppo_run.run_ppo(args, "new", extra=args.new_set)
 
     sync_s, step_s = new.mean("timing/weight_sync_s"), new.step_s
     if sync_s != sync_s:  # NaN: the code on the path has no controller-side timing

@@ -29,6 +29,13 @@ def test_overrides_give_the_benchmark_size():
     assert _ppo_run.samples_per_prompt(args_of("--samples-per-prompt", "4")) == 4
 
 
+def test_new_set_reaches_only_this_checkouts_run():
+    args = args_of("--new-set", "ppo.train.async_enable=true", "--set", "ppo.rollout.top_p=0.9")
+    assert "ppo.train.async_enable=true" not in _ppo_run.overrides(args)  # the baseline's overrides
+    p = load_config(str(_ppo_run.ROOT / _ppo_run.PRESET), [*_ppo_run.overrides(args), *args.new_set]).stage("ppo")
+    assert (p.train.async_enable, p.rollout.top_p) == (True, 0.9)
+
+
 def test_step_line_and_steady_state():
     m = _ppo_run.STEP_LINE.match("[ppo] step 2/3 reward=0.1000 kl=0.0010 timing/step_s=14.2345 (14.2s)\n")
     assert m is not None and (m.group(1), m.group(2), m.group(3)) == ("2", "3", "14.2")
