@@ -4,6 +4,8 @@ fixed size, on this checkout or on a baseline revision (a ``git worktree`` of it
 The size (the defaults): builtin:medium (the 24M Llama) as actor, reference, critic and reward model, 16 prompts per
 step, 64 new tokens, 4 PPO epochs, a separate (not colocated) critic, fp32, the tiny preset's other settings (HF
 generate engine, 2 samples per prompt). Step 1 is the warm-up: the steady state is the mean over steps 2 and on.
+``--grpo``: GRPO at the same size instead: the actor alone (no critic, no reward model, no reference: no KL), 4 samples
+per prompt scored by the synthetic task's gold rule as ``reward_fn``, one optimizer step per batch, vLLM engines.
 
 Both versions print ``[ppo] step k/N ... (X.Xs)`` per step, and metrics.json's history has ``response_len`` (mean
 action tokens per row) and the step's ``prompts``; the per-phase ``timing/<phase>_s`` entries exist only in the code
@@ -29,6 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = "deployments/configs/tiny.yaml"
 BASELINE_REV = "d3d2d8d"
+# --grpo's baseline: BASELINE_REV has neither the critic-free estimators nor reward functions.
+GRPO_BASELINE_REV = "0a1aecd"
+# The gold rule as a batch reward function; relative, so that each run reads the one of its own code (its cwd).
+GOLD_REWARD_FN = "rlhf_core/assets/reward_fns/gold.py:gold_rewards"
 # The phases in the order a step runs them (metrics.json's keys come sorted); concurrent ones after their phase.
 PHASE_ORDER = [
     "offload_states",
@@ -50,13 +56,25 @@ STEP_LINE = re.compile(r"^\[ppo\] step (\d+)/(\d+) .*\(([0-9.]+)s\)\s*$")
 
 def add_size_args(parser: argparse.ArgumentParser) -> None:
     """The run's size and length, the same for every run of one benchmark."""
-    parser.add_argument("--model", default="builtin:medium", help="actor, reference, critic and reward model")
+    parser.add_argument(
+        "--grpo",
+        action="store_true",
+        help="GRPO instead of PPO: the actor alone, a reward function (the gold rule), no KL, one optimizer step "
+        "per batch, 4 samples per prompt, vLLM engines",
+    )
+    parser.add_argument(
+        "--model", default="builtin:medium", help="actor, reference, critic and reward model (--grpo: the actor)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="PPO steps (step 1 is the warm-up, not measured)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (train.rollout_batch_size)")
     parser.add_argument("--new-tokens", type=int, default=64, help="rollout.max_new_tokens")
-    parser.add_argument("--epochs", type=int, default=4, help="algo.ppo_epochs")
-    parser.add_argument("--samples-per-prompt", type=int, help="rollout.n_samples_per_prompt (default: the preset's)")
-    parser.add_argument("--backend", choices=["hf", "vllm"], help="rollout.backend (default: the preset's, hf)")
+    parser.add_argument("--epochs", type=int, help="algo.ppo_epochs (default 4; --grpo: 1)")
+    parser.add_argument(
+        "--samples-per-prompt", type=int, help="rollout.n_samples_per_prompt (default: the preset's, 2; --grpo: 4)"
+    )
+    parser.add_argument(
+        "--backend", choices=["hf", "vllm"], help="rollout.backend (default: the preset's, hf; --grpo: vllm)"
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -76,13 +94,16 @@ def add_size_args(parser: argparse.ArgumentParser) -> None:
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
-    """Overrides of the tiny preset's ``ppo`` stage for the benchmark's size (no upstream stages needed)."""
-    out = [f"ppo.{role}.model.name_or_path={args.model}" for role in ("actor", "critic", "reward")]
+    """Overrides of the tiny preset's ``ppo`` stage for the benchmark's size (no upstream stages needed); with
+    ``--grpo``, GRPO's (keys that GRPO_BASELINE_REV knows too: the baseline run gets the same)."""
+    roles = ("actor",) if args.grpo else ("actor", "critic", "reward")
+    out = [f"ppo.{role}.model.name_or_path={args.model}" for role in roles]
+    epochs = args.epochs if args.epochs is not None else 1 if args.grpo else 4
     out += [
         "ppo.algo.normalize_reward=false",  # a builtin reward model has no stored reward statistics
         f"ppo.train.rollout_batch_size={args.prompts}",
         f"ppo.rollout.max_new_tokens={args.new_tokens}",
-        f"ppo.algo.ppo_epochs={args.epochs}",
+        f"ppo.algo.ppo_epochs={epochs}",
         f"ppo.train.max_steps={args.steps}",
         "ppo.train.eval_prompts=0",
         "ppo.train.save_steps=0",
@@ -93,10 +114,24 @@ def overrides(args: argparse.Namespace) -> list[str]:
         "ppo.placement.colocate_actor_ref=false",
         "ppo.placement.colocate_critic_reward=false",
     ]
-    if args.samples_per_prompt is not None:
-        out.append(f"ppo.rollout.n_samples_per_prompt={args.samples_per_prompt}")
-    if args.backend is not None:
-        out.append(f"ppo.rollout.backend={args.backend}")
+    samples, backend = args.samples_per_prompt, args.backend
+    if args.grpo:
+        samples = samples if samples is not None else 4
+        backend = backend if backend is not None else "vllm"
+        out += [
+            "ppo.algo.advantage_estimator=grpo",
+            "ppo.critic.model=null",  # the critic-free estimator refuses one
+            "ppo.reward.model=null",
+            f"ppo.reward_fn={GOLD_REWARD_FN}",
+            # No KL, so no reference model is built (placement.needs_kl); kl_mode stays reward, as kl_mode=loss
+            # refuses a zero coefficient.
+            "ppo.algo.kl_coef=0",
+            f"ppo.train.train_batch_size={args.prompts * samples}",  # the whole batch: one optimizer step per epoch
+        ]
+    if samples is not None:
+        out.append(f"ppo.rollout.n_samples_per_prompt={samples}")
+    if backend is not None:
+        out.append(f"ppo.rollout.backend={backend}")
     return out + list(args.set)
 
 

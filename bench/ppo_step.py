@@ -1,7 +1,8 @@
-"""Seconds per phase of a PPO step at 24M, and generated tokens/s, against a baseline revision, in one run.
+"""Seconds per phase of a PPO (or GRPO) step at 24M, and generated tokens/s, against a baseline revision, in one run.
 
     python -m bench.ppo_step [--steps 3] [--baseline-rev d3d2d8d | --no-baseline] [--model builtin:medium]
                              [--new-set ppo.train.async_enable=true ...]
+    python -m bench.ppo_step --grpo [--backend hf] [--baseline-rev 0a1aecd | --no-baseline] [...]
 
 The size (bench._ppo_run): builtin:medium (24M) actor, reference, critic and reward model, 16 prompts, 64 new
 tokens, 4 PPO epochs, separate critic, fp32. Each version runs the ppo stage as its real job
@@ -15,6 +16,14 @@ lines). The last line is the summary:
 
 (``speedup``: this checkout's generated tokens/s over the baseline's; without a baseline the line starts at
 ``gen_tok_s``.) On a shared machine the load drifts between the two runs: compare runs made at a quiet time.
+
+``--grpo`` measures a GRPO step instead (algo.advantage_estimator=grpo) at the same size: the builtin:medium actor
+alone, 16 prompts x 4 samples, 64 new tokens, one optimizer step per batch (ppo_epochs 1, train_batch_size = all 64
+samples), no KL (kl_coef 0: no reference model), the synthetic task's gold rule as reward function (no reward model,
+no critic), vLLM engines (``--backend hf``: HF generate). The step is generation, the reward function, the group
+advantages, one actor update and the weight sync, plus the actor's old-log-prob forward where the code runs one (the
+baseline does; this checkout skips it at one optimizer step per batch). Its baseline defaults to 0a1aecd (d3d2d8d has
+no GRPO), and the summary line starts ``grpo_step:`` with the same fields.
 """
 
 from __future__ import annotations
@@ -31,16 +40,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _ppo_run.add_size_args(parser)
-    parser.add_argument("--baseline-rev", default=_ppo_run.BASELINE_REV, help="the revision to compare against")
+    parser.add_argument(
+        "--baseline-rev",
+        help=f"the revision to compare against (default {_ppo_run.BASELINE_REV}, --grpo {_ppo_run.GRPO_BASELINE_REV})",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="run this checkout only")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
 
+    rev = args.baseline_rev or (_ppo_run.GRPO_BASELINE_REV if args.grpo else _ppo_run.BASELINE_REV)
     base = None
     if not args.no_baseline:
-        tree = _ppo_run.baseline_tree(args.baseline_rev)
-        base = _ppo_run.run_ppo(args, f"base-{args.baseline_rev}", tree)
+        base = _ppo_run.run_ppo(args, f"base-{rev}", _ppo_run.baseline_tree(rev))
     new = _ppo_run.run_ppo(args, "new", extra=args.new_set)
 
     f = _ppo_run.fmt
@@ -71,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     fields["startup_s"] = new.startup_s
     if base is not None:
         fields["base_startup_s"] = base.startup_s
-    print("ppo_step: " + " ".join(f"{k}={f(v)}" for k, v in fields.items()))
+    print(("grpo_step: " if args.grpo else "ppo_step: ") + " ".join(f"{k}={f(v)}" for k, v in fields.items()))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ upstream: a stage that an earlier method's run already made with the same sectio
 for the same config hash, so it is trained once (``run_preset``, which tests/jobs/test_methods_raise_gold.py can
 share).
 
+The ``grpo_*`` rows are tiny-grpo with a training option of its grpo stage turned on by overrides
+(``Method.overrides``: async rollout, partial rollout, the engine's log-probs as the old ones, GSPO, the
+engine-to-trainer IS correction, token-budget micro-batches): they take over the grpo row's sft, reward_model and
+eval_sft, and train and evaluate their own grpo stage (its section differs from the grpo row's), so each option's
+rise compares with the plain grpo row's on the same SFT policy.
+
 Gold before: the SFT policy's gold reward (``eval_sft``: 256 responses to 128 held-out prompts, the task's gold rule;
 standard error of the mean about 0.01); gold after: the same evaluation of the method's final policy
 (``eval_<method>``, the loops' ``eval_2``), with its KL to the SFT policy where that evaluation measures it. PPO has
@@ -33,7 +39,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,18 +56,25 @@ BASELINE = ("sft", "eval_sft")  # the SFT policy and its evaluation: not counted
 @dataclass(frozen=True)
 class Method:
     """Where a method's numbers are: (stage, metric) of the gold reward before and after, and of the KL to the
-    reference after (None: its evaluation does not measure it)."""
+    reference after (None: its evaluation does not measure it); ``overrides`` of its preset (a training option)."""
 
     preset: str
     before: tuple[str, str]
     after: tuple[str, str]
     kl: tuple[str, str] | None
     note: str = ""
+    overrides: tuple[str, ...] = ()
 
 
 def _evaluated(preset: str, stage: str) -> Method:
     """A method whose SFT policy and final policy are both sampled by a generate stage with the gold rule."""
     return Method(preset, ("eval_sft", "gold_reward"), (stage, "gold_reward"), (stage, "kl_to_ref"))
+
+
+def _grpo_with(note: str, *overrides: str) -> Method:
+    """The grpo row with training options of its stage on: the grpo row's sft, reward_model and eval_sft (taken
+    over by ``plan_reuse``), its own grpo and eval_grpo (the grpo section differs, so neither is taken over)."""
+    return replace(_evaluated("tiny-grpo", "eval_grpo"), overrides=overrides, note=note)
 
 
 METHODS = {
@@ -70,6 +83,34 @@ METHODS = {
     "rejection_sampling": _evaluated("tiny-rejection-sampling", "eval_2"),
     "iterative_dpo": _evaluated("tiny-iterative-dpo", "eval_2"),
     "grpo": _evaluated("tiny-grpo", "eval_grpo"),
+    "grpo_async": _grpo_with(
+        "grpo with train.async_enable: the next batch generated while this one trains", "grpo.train.async_enable=true"
+    ),
+    "grpo_partial": _grpo_with(
+        "grpo_async with train.partial_rollout_enable on vLLM engines",
+        "grpo.train.async_enable=true",
+        "grpo.train.partial_rollout_enable=true",
+        "grpo.rollout.backend=vllm",
+    ),
+    "grpo_rollout_logprobs": _grpo_with(
+        "grpo with algo.use_rollout_logprobs: the engine's log-probs as the old ones (2 optimizer steps per batch)",
+        "grpo.algo.use_rollout_logprobs=true",
+    ),
+    "grpo_gspo": _grpo_with(
+        "grpo with algo.policy_loss=gspo (sequence-level ratio) and loss_agg=seq_mean",
+        "grpo.algo.policy_loss=gspo",
+        "grpo.algo.loss_agg=seq_mean",
+    ),
+    "grpo_is_correction": _grpo_with(
+        "grpo with algo.is_correction=tis (engine-to-trainer ratio clamped to is_correction_threshold [0.5, 5])",
+        "grpo.algo.is_correction=tis",
+    ),
+    "grpo_dynamic_batch": _grpo_with(
+        "grpo with train.dynamic_batch: micro-batches of at most 128 prompt + response tokens (4 rows or more of "
+        "this task's ~8-token prompts and 16 new tokens) instead of 8 rows",
+        "grpo.train.dynamic_batch=true",
+        "grpo.train.max_tokens_per_micro_batch=128",
+    ),
     "reinforce": _evaluated("tiny-reinforce", "eval_reinforce"),
     "rloo": _evaluated("tiny-rloo", "eval_rloo"),
     "rlvr": _evaluated("tiny-rlvr", "eval_rlvr"),
@@ -224,13 +265,16 @@ def own_seconds(runs: dict[str, StageRun]) -> float:
     return sum(run.seconds for name, run in runs.items() if name not in BASELINE)
 
 
-HEADER = f"{'method':18s} {'gold_before':>11s} {'gold_after':>10s} {'rise':>7s} {'kl_to_ref':>9s} {'wall_s':>7s}"
+NAME_WIDTH = max(18, *map(len, METHODS))
+HEADER = (
+    f"{'method':{NAME_WIDTH}s} {'gold_before':>11s} {'gold_after':>10s} {'rise':>7s} {'kl_to_ref':>9s} {'wall_s':>7s}"
+)
 
 
 def format_row(q: Quality) -> str:
     kl = "-" if q.kl is None else f"{q.kl:.3f}"
     flag = "" if q.raises else f"  <- does NOT raise the gold reward (rise <= {RISE})"
-    return f"{q.method:18s} {q.before:11.3f} {q.after:10.3f} {q.rise:+7.3f} {kl:>9s} {q.seconds:7.1f}{flag}"
+    return f"{q.method:{NAME_WIDTH}s} {q.before:11.3f} {q.after:10.3f} {q.rise:+7.3f} {kl:>9s} {q.seconds:7.1f}{flag}"
 
 
 def summary(results: list[Quality]) -> str:
@@ -256,7 +300,10 @@ def main(argv: list[str] | None = None) -> None:
 
     root = Path(args.root).resolve() if args.root else Path(tempfile.mkdtemp(prefix="bench-quality-"))
     os.chdir(ROOT)  # the presets name the bundled data relative to the repository root
-    cfgs = [load_config(PRESETS / f"{METHODS[m].preset}.yaml", [f"run_uri={root / m}"]) for m in methods]
+    cfgs = [
+        load_config(PRESETS / f"{METHODS[m].preset}.yaml", [f"run_uri={root / m}", *METHODS[m].overrides])
+        for m in methods
+    ]
     fresh = [m for m in methods if not (root / m).exists()]  # deleted afterwards unless --keep
     cpus = [c for cfg in cfgs for c in (ray_cpus(cfg.stage(name)) for name in cfg.order()) if c is not None]
     made: list[StageRun] = []
@@ -264,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with one_ray(min_cpus=max(cpus, default=1)):  # one Ray for every stage of every method
             for method in methods:
-                runs = run_preset(METHODS[method].preset, root / method, reuse=made)
+                runs = run_preset(METHODS[method].preset, root / method, *METHODS[method].overrides, reuse=made)
                 made += runs.values()
                 results.append(quality(method, {n: r.metrics for n, r in runs.items()}, own_seconds(runs)))
     finally:

@@ -7,6 +7,10 @@ import pytest
 
 from bench import _ppo_run
 from rlhf_core.config import load_config
+from rlhf_core.data.synthetic import gold_reward
+from rlhf_core.distributed.placement import RoleSet
+from rlhf_core.old_logprobs import old_logprobs_source
+from rlhf_core.rewards import call_reward_fn, load_reward_fn
 
 
 def args_of(*argv: str) -> argparse.Namespace:
@@ -27,6 +31,28 @@ def test_overrides_give_the_benchmark_size():
     assert (p.train.max_steps, p.train.save_steps, p.train.eval_prompts, p.rollout.top_p) == (5, 0, 0, 0.9)
     assert _ppo_run.samples_per_prompt(args) == p.rollout.n_samples_per_prompt
     assert _ppo_run.samples_per_prompt(args_of("--samples-per-prompt", "4")) == 4
+
+
+def test_grpo_is_the_actor_alone_one_step_per_batch_without_kl_scored_by_the_gold_rule(monkeypatch):
+    monkeypatch.chdir(_ppo_run.ROOT)  # the reward function's path is relative to the job's directory, the checkout
+    args = args_of("--grpo")
+    p = load_config(str(_ppo_run.ROOT / _ppo_run.PRESET), _ppo_run.overrides(args)).stage("ppo")
+    assert (p.actor.model.name_or_path, p.critic.model, p.reward.model) == ("builtin:medium", None, None)
+    assert (p.algo.advantage_estimator, p.reward_fn) == ("grpo", _ppo_run.GOLD_REWARD_FN)
+    assert (p.train.rollout_batch_size, p.rollout.n_samples_per_prompt, p.rollout.max_new_tokens) == (16, 4, 64)
+    assert (p.algo.ppo_epochs, p.train.train_batch_size) == (1, 64)  # the whole batch, one optimizer step
+    assert (p.algo.kl_coef, p.algo.kl_target, p.rollout.backend) == (0.0, None, "vllm")
+    assert RoleSet.of(p) == RoleSet(critic=False, reference=False, reward_model=False)  # the actor alone
+    assert old_logprobs_source(p, actor_frozen=False, ref_from_actor=False) == "training"  # one step, no KL
+    assert _ppo_run.samples_per_prompt(args) == 4
+    prompt, response = "Write a sentence about the rain.", "The rain falls softly."
+    scores = call_reward_fn(
+        load_reward_fn(p.reward_fn, "ppo.reward_fn"), p.reward_fn, "ppo.reward_fn", [prompt], [response]
+    )
+    assert scores == [gold_reward(prompt, response)]  # a batch reward function: the gold rule row by row
+    hf = args_of("--grpo", "--backend", "hf", "--epochs", "2")
+    p = load_config(str(_ppo_run.ROOT / _ppo_run.PRESET), _ppo_run.overrides(hf)).stage("ppo")
+    assert (p.rollout.backend, p.algo.ppo_epochs) == ("hf", 2)
 
 
 def test_new_set_reaches_only_this_checkouts_run():

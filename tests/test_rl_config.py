@@ -55,6 +55,11 @@ GRPO = PRESETS / "tiny-grpo.yaml"
         (["ppo.remote_rm_url=http://h/score", "ppo.remote_rm.timeout_s=0"], r"'ppo.remote_rm.timeout_s'"),
         (["critic_warmup.algo.advantage_estimator=grpo"], r"critic_warmup.algo.advantage_estimator"),
         (["ppo.train.async_queue_size=0"], r"invalid value 0 for 'ppo.train.async_queue_size': must be >= 1"),
+        (["ppo.train.partial_rollout_enable=true"], r"'ppo.train.async_enable': must be true with train.partial"),
+        (
+            ["ppo.train.async_enable=true", "ppo.train.partial_rollout_enable=true"],
+            r"invalid value 'hf' for 'ppo.rollout.backend': must be vllm with train.partial_rollout_enable",
+        ),
         (
             ["ppo.train.async_enable=true", "ppo.rollout.backend=vllm", "ppo.rollout.enable_sleep=true"],
             r"'ppo.train.async_enable' generates while .* set 'ppo.rollout.enable_sleep' = false or async_enable",
@@ -125,7 +130,7 @@ def test_gspo_and_the_is_correction_load_and_leave_the_default_hash_alone():
 
 def test_async_training_stays_out_of_the_hash_until_turned_on():
     """Off by default and then out of the hash (``hashing._OFF_BY_DEFAULT``): the stages keep their hashes."""
-    assert _off("async_enable", False) and _off("async_queue_size", 1)
+    assert _off("async_enable", False) and _off("async_queue_size", 1) and _off("partial_rollout_enable", False)
     base = load_config(TINY).stage("ppo")
     on = load_config(TINY, ["ppo.train.async_enable=true"]).stage("ppo")
     assert on.train.async_enable and on.train.async_queue_size == 1

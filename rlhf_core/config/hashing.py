@@ -36,7 +36,7 @@ _OFF_BY_DEFAULT: dict[str, Any] = {"policy_loss": "ppo", "is_correction": None, 
 # train.dynamic_batch off, with its budget at the default: the hash a stage had before these keys existed.
 _OFF_BY_DEFAULT.update({"dynamic_batch": False, "max_tokens_per_micro_batch": 16384})
 # train.async_enable off, with its queue at the default (synchronous steps, as before the keys existed).
-_OFF_BY_DEFAULT.update({"async_enable": False, "async_queue_size": 1})
+_OFF_BY_DEFAULT.update({"async_enable": False, "async_queue_size": 1, "partial_rollout_enable": False})
 # algo.use_rollout_logprobs off, with its bound at the default (the actor's forward, as before the keys existed).
 _OFF_BY_DEFAULT.update({"use_rollout_logprobs": False, "rollout_logprobs_max_diff": 0.1})
 

@@ -86,6 +86,13 @@ class PPOTrainConfig(RLTrainConfig):
         "reproducible run to run: which version samples a batch depends on timing.",
     )
     async_queue_size: int = opt(1, "train.async_enable: rollout batches the generator may run ahead of training.")
+    partial_rollout_enable: bool = opt(
+        False,
+        "train.async_enable with the vLLM backend: a weight sync no longer waits for the rollout being generated. The "
+        "engines stop between decoding steps, take the new weights, compute the running responses' prompts and "
+        "tokens so far again under them and go on, so a response's tokens may come from two or more weight "
+        "versions (OpenRLHF partial rollout; pair it with algo.is_correction).",
+    )
 
 
 @dataclass
@@ -182,6 +189,16 @@ def _check_async(name: str, p: PPOConfig) -> None:
     """Async generation overlaps training, so nothing may hand the devices from one phase to the other."""
     queue = p.train.async_queue_size
     check(queue >= 1, f"{name}.train.async_queue_size", queue, "must be >= 1")
+    if p.train.partial_rollout_enable:
+        check(
+            p.train.async_enable, f"{name}.train.async_enable", False, "must be true with train.partial_rollout_enable"
+        )
+        check(
+            p.rollout.backend == "vllm",
+            f"{name}.rollout.backend",
+            p.rollout.backend,
+            "must be vllm with train.partial_rollout_enable: Hugging Face generate runs each batch to its end",
+        )
     for key, on in [
         ("rollout.enable_sleep", p.rollout.enable_sleep),
         ("placement.offload_states_during_rollout", p.placement.offload_states_during_rollout),

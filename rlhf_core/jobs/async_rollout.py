@@ -16,12 +16,18 @@ Usage, the trainer being the caller's loop::
                 push_weights()
             save(position=record.index + 1)  # the data position to checkpoint
 
+With ``partial=True`` (partial rollout) the generator holds the lock only for a few decoding steps at a time:
+``generate(index, turn)`` makes its engine calls inside ``with turn():``, and a weight update can come between two
+turns. A batch then spans the versions from its first turn to its last (``version_start``, ``version_end``), each
+token recording its own, and the staleness bound holds for its first turn's version.
+
 The data position is the index of the next prompt batch to train. Batches generated but not trained when a run stops
 are lost and generated again on resume (with the checkpointed weights), so a resumed run trains the same prompt
 batches in the same order as an uninterrupted one, though not the same samples: which weight version generated a
 batch depends on timing, as it does in an uninterrupted async run.
 """
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -30,12 +36,31 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 B = TypeVar("B")
+# One step's rollout as the engines return it: responses, the log-probs they sampled them with, and with partial
+# rollout each token's weight version (None without).
+Rollout = tuple[list[list[int]], list[list[float]], list[list[int]] | None]
+
+
+def rollout_logs(record: "BatchRecord", versions: list[list[int]] | None) -> dict[str, float]:
+    """A step's async rollout as logged: the weight updates it lagged when it trained (``rollout_staleness``), those
+    that came while it was generated (``rollout_version_span``: 0 but with partial rollout) and, with partial rollout,
+    the share of its tokens sampled after an update that came during their response (``rollout_tokens_after_update``,
+    from each token's version)."""
+    logs = {
+        "rollout_staleness": float(record.staleness),
+        "rollout_version_span": float(record.version_end - record.version_start),
+    }
+    if versions is not None:
+        after = sum(1 for v in versions for x in v if x != v[0])
+        logs["rollout_tokens_after_update"] = after / max(sum(map(len, versions)), 1)
+    return logs
 
 
 @dataclass
 class BatchRecord:
     """One prompt batch as the generator made it: the weight versions (updates applied) when its generation started
-    and ended, and the version that trained it (None: filtered to empty, or never trained)."""
+    and ended (equal but with partial rollout), and the version that trained it (None: filtered to empty, or never
+    trained)."""
 
     index: int
     version_start: int
@@ -57,10 +82,11 @@ class AsyncRollout(Generic[B]):
     ``generate`` is raised in the caller's loop; leaving the ``with`` block (done, ``break`` or an exception) stops
     the generator and waits for its current call."""
 
-    def __init__(self, generate: Callable[[int], B | None], queue_size: int = 1) -> None:
+    def __init__(self, generate: Callable[..., B | None], queue_size: int = 1, partial: bool = False) -> None:
+        """``generate(index)``, or with ``partial`` ``generate(index, turn)``: see the module's docstring."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
-        self.queue_size = queue_size
+        self.queue_size, self.partial = queue_size, partial
         self.version = 0  # weight updates applied; written only under the lock
         self.position: int | None = None  # the next prompt batch to train
         self.records: list[BatchRecord] = []  # every batch generated, in order
@@ -123,10 +149,16 @@ class AsyncRollout(Generic[B]):
                 self._slots.acquire()
                 if self._stopping.is_set():
                     return
-                with self._lock:
-                    version_start = self.version
-                    batch = self._generate(index)
-                    record = BatchRecord(index, version_start, self.version)
+                if self.partial:
+                    turns: list[int] = []  # the version at each turn
+                    batch = self._generate(index, functools.partial(self._turn, turns))
+                    turns = turns or [self.version]
+                    record = BatchRecord(index, turns[0], turns[-1])
+                else:
+                    with self._lock:
+                        version_start = self.version
+                        batch = self._generate(index)
+                        record = BatchRecord(index, version_start, self.version)
                 self.records.append(record)
                 if batch is None:
                     self._slots.release()  # filtered to empty: nothing for the trainer to take and give back
@@ -136,3 +168,10 @@ class AsyncRollout(Generic[B]):
         except BaseException as error:  # raised in the caller's loop, which then stops this thread
             self._error = error
             self._queue.put(_DONE)  # wakes the caller if it waits for a batch
+
+    @contextmanager
+    def _turn(self, versions: list[int]) -> Iterator[None]:
+        """One turn of a partial rollout's engine calls: no weight update meanwhile."""
+        with self._lock:
+            versions.append(self.version)
+            yield

@@ -24,7 +24,8 @@ import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext, TrainableRole
 from rlhf_core.distributed.rollout.engine import SamplingConfig
 from rlhf_core.jobs import common
-from rlhf_core.jobs.async_rollout import AsyncRollout
+from rlhf_core.jobs.async_rollout import AsyncRollout, Rollout, rollout_logs
 from rlhf_core.models.builders import load_tokenizer, stop_ids
 from rlhf_core.old_logprobs import engine_old_logprobs, old_logprobs_source, probe_rows
 from rlhf_core.ppo_eval import HeldOut, summary_metrics
@@ -608,12 +609,19 @@ class PPOController:
             seed_per_prompt=r.seeds_each_prompt(self.device),
         )
 
-    def generate(self, step: int) -> tuple[list[list[int]], list[list[float]]]:
-        """Step ``step``'s responses and the engines' log-probs of them; with train.async_enable called on the
-        generator thread, up to async_queue_size steps ahead."""
+    def generate(self, step: int, turn: Callable[[], ContextManager] | None = None) -> Rollout:
+        """Step ``step``'s rollout (``async_rollout``: on the generator thread, up to async_queue_size steps ahead;
+        partial: in ``turn``s, between which weight syncs come)."""
         indices = global_batch(len(self.prompts), self.p.train.rollout_batch_size, step, self.p.train.seed)
-        prompt_ids = [self.prompts[i]["prompt_ids"] for i in indices]
-        return self.engines.generate_with_logprobs(prompt_ids, self.rollout_sampling(step))
+        prompt_ids, sampling = [self.prompts[i]["prompt_ids"] for i in indices], self.rollout_sampling(step)
+        if turn is not None:
+            return self.engines.generate_partial(prompt_ids, sampling, turn)
+        return (*self.engines.generate_with_logprobs(prompt_ids, sampling), None)
+
+    def async_rollout(self) -> AsyncRollout | None:
+        """train.async_enable: the generator thread's queue of rollouts (partial: train.partial_rollout_enable)."""
+        t = self.p.train
+        return AsyncRollout(self.generate, t.async_queue_size, t.partial_rollout_enable) if t.async_enable else None
 
     def step_phases(self) -> list[str]:
         """The phases every step logs as ``timing/<phase>_s`` (0.0 when one did not run that step), besides
@@ -654,8 +662,7 @@ class PPOController:
         n_eval = len(self.held_out.examples)
         evaluating = f" ({eval_before_s:.1f}s of it evaluating {n_eval} prompts)" if eval_before_s and n_eval else ""
         print(f"[{stage}] first step {startup_s:.1f}s after the job started{evaluating}", flush=True)
-        # train.async_enable: a thread generates the next steps' rollouts while this loop trains (AsyncRollout)
-        self.rollout = AsyncRollout(self.generate, train.async_queue_size) if train.async_enable else None
+        self.rollout = self.async_rollout()  # a thread generates the next steps' rollouts while this loop trains
         batches = self.rollout.batches(state["step"], self.steps) if self.rollout else None
         update = self.rollout.weight_update if self.rollout else contextlib.nullcontext
         for step in range(state["step"], self.steps):
@@ -666,7 +673,8 @@ class PPOController:
             prompts = [self.prompts[i]["prompt"] for i in indices]
             self.move_training_states(offload=True, timer=timer)
             with timer.phase("generation"):  # async: the wait for the thread's batch
-                record, (responses, engine_logprobs) = next(batches) if batches else (None, self.generate(step))
+                record, rollout = next(batches) if batches else (None, self.generate(step))
+                responses, engine_logprobs, versions = rollout
                 assert record is None or record.index == step, f"step {step} got batch {record.index}"
                 self.engines.sleep()  # rollout.enable_sleep: the engines' GPU memory is the trainers' until the sync
             # 2. experience (the old log-probs: the actor's forward, its training forward's, or the engines')
@@ -694,7 +702,7 @@ class PPOController:
                 logs.update(sync)
                 logs["sync_s"] = sync["weight_sync_s"]
             if record is not None:  # the weight updates the step's rollout lagged (<= train.async_queue_size)
-                logs["rollout_staleness"] = record.staleness
+                logs.update(rollout_logs(record, versions))
             self.kl_ctl.update(logs["kl_token_mean"], len(responses))
             # 6. logging and checkpoints
             state["step"], state["consumed_prompts"] = step + 1, (step + 1) * train.rollout_batch_size

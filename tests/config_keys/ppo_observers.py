@@ -44,6 +44,13 @@ def _ppo_setup(cfg: PipelineConfig, stage: str):
     return ppo.PPOController(stage, p, setup, train_actor, roles, ppo.load_inputs(stage, p, setup), in_process())
 
 
+def rollout_mode(cfg: PipelineConfig, stage: str) -> str:
+    """How the controller's loop gets its rollouts: generated in the step ("sync"), by the generator thread a whole
+    batch at a time ("async"), or in turns that weight syncs may come between ("partial")."""
+    rollout = _ppo_setup(cfg, stage).async_rollout()
+    return "sync" if rollout is None else "partial" if rollout.partial else "async"
+
+
 def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
     """jobs.ppo.PPOController(...) as run() builds it before any Ray actor: prompts, plan, reward stats, gold, KL,
     and the engines' kwargs as start() passes them."""

@@ -29,6 +29,7 @@ from tests.config_keys.ppo_observers import (
     role_model,
     role_workers,
     rollout_distribution,
+    rollout_mode,
     rollout_sampling,
     rounded,
     sampling,
@@ -629,6 +630,12 @@ def ppo_section(kind: str) -> dict[str, Probe]:
             base=(*PPO_RUN_BASE, "{stage}.train.async_enable=true"),
             slow=True,
             expect=lambda a, b: (a, b) == ([0, 1, 1], [0, 1, 2]),
+        )
+        out["train.partial_rollout_enable"] = probe(
+            "{stage}.train.partial_rollout_enable=true",
+            observe=rollout_mode,
+            base=("{stage}.train.async_enable=true", "{stage}.rollout.backend=vllm"),
+            expect=lambda a, b: (a, b) == ("async", "partial"),
         )
         # the same run as save_steps / log_steps: one run for the three
         for key in ("train.save_steps", "train.log_steps"):

@@ -24,7 +24,7 @@ def _parameters(fn):
 
 @pytest.mark.parametrize("cls", [VLLMEngine, HFGenerateEngine])
 def test_backends_implement_the_protocol(cls):
-    assert len(PROTOCOL) == 11, PROTOCOL
+    assert len(PROTOCOL) == 14, PROTOCOL
     for name in PROTOCOL:
         own = next((vars(k)[name] for k in cls.__mro__ if name in vars(k)), None)
         assert inspect.isfunction(own), f"{cls.__name__} has no {name}"

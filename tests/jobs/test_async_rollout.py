@@ -12,6 +12,24 @@ from rlhf_core.jobs.async_rollout import AsyncRollout
 pytestmark = pytest.mark.timeout(10)  # a deadlock fails here instead of hanging the suite
 
 
+class PartialEngine:
+    """A partial rollout's fake engine: batch ``index`` in a few turns of a few ms each, recording the weights each
+    turn saw; returns ``(index, weights at the first turn)``."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.weights = 0
+        self.turns: dict[int, list[int]] = {}
+
+    def generate(self, index: int, turn) -> tuple[int, int]:
+        seen = self.turns[index] = []
+        for _ in range(self.rng.randint(1, 4)):
+            with turn():
+                seen.append(self.weights)
+                time.sleep(self.rng.uniform(0.0, 0.002))
+        return index, seen[0]
+
+
 class FakeEngine:
     """Generates batch ``index`` as ``(index, weights)`` after a seeded delay of a few ms; ``weights`` is the version
     the trainer last pushed, read at the start and end of the generation. None for the ``empty`` indices."""
@@ -60,6 +78,20 @@ def test_staleness_never_exceeds_the_queue_size_and_each_batch_sees_one_weight_v
     assert all(r.version_start == r.version_end for r in rollout.records)  # the lock: no update mid-generation
     assert all(start == end for _, start, end in engine.seen)  # as the engine saw it
     assert [r.version_start for r in rollout.records] == [start for _, start, _ in engine.seen]
+
+
+@pytest.mark.parametrize("queue_size", [1, 2])
+def test_partial_rollout_batches_span_versions_between_turns_within_the_staleness_bound(queue_size):
+    engine = PartialEngine(seed=queue_size)
+    with AsyncRollout(engine.generate, queue_size, partial=True) as rollout:
+        trained = train_all(rollout, engine, 0, 50, seed=200 + queue_size)
+    assert trained == list(range(50))
+    assert max(r.staleness for r in rollout.records) <= queue_size
+    # the updates came between turns only: each turn saw one version, the record's first and last are the batch's
+    assert [(r.version_start, r.version_end) for r in rollout.records] == [
+        (engine.turns[r.index][0], engine.turns[r.index][-1]) for r in rollout.records
+    ]
+    assert any(r.version_end > r.version_start for r in rollout.records), "no update ever came mid-batch"
 
 
 def test_the_generator_runs_ahead_by_at_most_the_queue_size():

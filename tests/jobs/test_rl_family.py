@@ -41,7 +41,8 @@ def ray_actor_names() -> set[str]:
 
 def test_a_critic_free_run_starts_no_critic_actor_and_writes_no_critic(run_dir):
     before = ray_actor_names()
-    ref = run_ppo(run_dir, *GRPO, *SHORT, "ppo.train.save_steps=1", TENSORBOARD)
+    # async training on the Hugging Face engine: a thread generates the next step's rollout while this one trains
+    ref = run_ppo(run_dir, *GRPO, *SHORT, "ppo.train.save_steps=1", TENSORBOARD, "ppo.train.async_enable=true")
     started = {name.split(":")[0] for name in ray_actor_names() - before}
     assert started == {"PolicyActor", "ReferencePolicy", "RewardScorer"}, started  # and the rollout engine
     assert ref.metrics["steps"] == 2
@@ -52,6 +53,8 @@ def test_a_critic_free_run_starts_no_critic_actor_and_writes_no_critic(run_dir):
     manifest = store.read_manifest("ppo/checkpoints/step_00000001")
     assert manifest.extra["workers"] == {"actor.strategy.num_workers": 1}
     assert manifest.files and not any(f.startswith("critic") for f in manifest.files)
+    # each rollout at most async_queue_size (1) weight updates old, and sampled by one version (no partial rollout)
+    assert [h["rollout_staleness"] <= 1 and h["rollout_version_span"] == 0 for h in out["history"]] == [True] * 2
     last = out["history"][-1]
     assert "critic_loss" not in last and "critic_lr" not in last and last["kl_loss"] >= 0
     assert "timing/critic_train_s" not in last and "timing/experience_critic_s" not in last

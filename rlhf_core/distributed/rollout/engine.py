@@ -73,6 +73,21 @@ class RolloutEngine(Protocol):
         """Per sequence, ``log p(token_t | tokens_<t)`` for ``t >= 1`` (raw logits)."""
         ...
 
+    def begin_generation(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> None:
+        """Partial rollout (vLLM only): queue the requests of ``generate_with_logprobs`` for ``advance_generation``
+        to run a few steps at a time. A weight sync between two calls keeps them: their prompt and tokens so far
+        are computed again under the new weights, and they go on from there."""
+        ...
+
+    def advance_generation(self, max_steps: int) -> int:
+        """Run up to ``max_steps`` decoding steps of the queued generation; returns its unfinished responses."""
+        ...
+
+    def take_generation(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """The finished generation's ``(responses, logprobs, versions)``: those of ``generate_with_logprobs`` and,
+        per response token, the engine's weight version (syncs received) when it was sampled."""
+        ...
+
     def init_weight_sync(
         self,
         master_addr: str,

@@ -13,6 +13,7 @@ back through ``EngineHandles.get``, so that engines of the driver's own process 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
@@ -89,6 +90,11 @@ class EngineHandles:
         # Ray's __ray_call__ runs method(engine, *args, **kwargs) on the actor's instance, as launcher's shell runs
         # a role's method: the function object travels, no method name is looked up.
         return actor.__ray_call__.remote(method, *args, **kwargs)
+
+
+# Decoding steps of a partial rollout between two chances for a weight sync (EngineGroup.generate_partial): a sync
+# waits for at most this many steps of the engines; each turn is one more call to every engine.
+TURN_STEPS = 8
 
 
 def engine_seed(seed: int, i: int) -> int:
@@ -243,22 +249,59 @@ class EngineGroup:
         (``RolloutEngine.generate_with_logprobs``); an empty response becomes [EOS] with a NaN log-prob (the engine
         did not sample it)."""
         self.wake_up()
+        method = RolloutEngine.generate_with_logprobs if with_logprobs else RolloutEngine.generate
+        refs = [
+            self.handles.call_one_async(i, method, chunk, seeded)
+            for i, chunk, seeded in self._split(prompt_ids, sampling)
+        ]
+        parts = [part if with_logprobs else (part, [[] for _ in part]) for part in self.handles.get(refs)]
+        responses, logprobs, _ = self._joined([(*part, [[] for _ in part[0]]) for part in parts])
+        return responses, logprobs
+
+    def generate_partial(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, turn: Callable[[], ContextManager[Any]]
+    ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """Partial rollout (vLLM engines): ``generate_with_logprobs`` in turns of ``TURN_STEPS`` decoding steps, each
+        inside ``turn()``, so that weight syncs can come in between; the responses keep running through them. Also
+        returns, per response token, the weight version (the engine's syncs received) that sampled it."""
+        self.wake_up()
+        split = self._split(prompt_ids, sampling)
+        self.handles.get([self.handles.call_one_async(i, RolloutEngine.begin_generation, c, s) for i, c, s in split])
+        running = [i for i, _, _ in split]
+        while running:
+            with turn():
+                refs = [self.handles.call_one_async(i, RolloutEngine.advance_generation, TURN_STEPS) for i in running]
+                left = self.handles.get(refs)
+            running = [i for i, n in zip(running, left) if n]
+        parts = self.handles.get([self.handles.call_one_async(i, RolloutEngine.take_generation) for i, _, _ in split])
+        return self._joined(parts)
+
+    def _split(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig
+    ) -> list[tuple[int, list[list[int]], SamplingConfig]]:
+        """``(engine, prompts, sampling)`` per engine with prompts: an even share in order, its own seed."""
         k = len(self.handles)
         chunks = [prompt_ids[i * len(prompt_ids) // k : (i + 1) * len(prompt_ids) // k] for i in range(k)]
-        method = RolloutEngine.generate_with_logprobs if with_logprobs else RolloutEngine.generate
-        refs = []
-        for i, chunk in enumerate(chunks):
-            if chunk:
-                seeded = replace(sampling, seed=engine_seed(sampling.seed, i))
-                refs.append(self.handles.call_one_async(i, method, chunk, seeded))
+        return [
+            (i, chunk, replace(sampling, seed=engine_seed(sampling.seed, i)))
+            for i, chunk in enumerate(chunks)
+            if chunk
+        ]
+
+    def _joined(
+        self, parts: list[tuple[list[list[int]], list[list[float]], list[list[int]]]]
+    ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """The engines' ``(responses, logprobs, versions)`` in prompt order; an empty response becomes [EOS] with a
+        NaN log-prob (the engine did not sample it) and version -1."""
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
-        for part in self.handles.get(refs):
-            tokens, lps = part if with_logprobs else (part, [[] for _ in part])
-            for r, lp in zip(tokens, lps):
+        versions: list[list[int]] = []
+        for tokens, lps, vs in parts:
+            for r, lp, v in zip(tokens, lps, vs):
                 responses.append(r if r else [self.eos])
                 logprobs.append(lp if r else [float("nan")])
-        return responses, logprobs
+                versions.append(v if r else [-1])
+        return responses, logprobs, versions
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         self.wake_up()

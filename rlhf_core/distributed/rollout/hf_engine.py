@@ -12,6 +12,10 @@ from rlhf_core.distributed.rollout.engine import SamplingConfig, current_placeme
 from rlhf_core.distributed.weight_sync.buckets import MIB, WeightSpec, to_dtype
 from rlhf_core.distributed.weight_sync.receiver import make_receiver_transport, receive_into_module
 
+PARTIAL_NEEDS_VLLM = (
+    "partial rollout needs the vLLM backend: Hugging Face generate runs a batch to its end in one call"
+)
+
 
 class HFGenerateEngine:
     """The same interface on Hugging Face ``generate``: no vLLM needed, one process, left padding."""
@@ -139,6 +143,17 @@ class HFGenerateEngine:
             logp = torch.log_softmax(logits[0, :-1], dim=-1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
             result.append(logp.cpu().tolist())
         return result
+
+    # Partial rollout needs an engine that can stop between decoding steps and recompute its requests' prefixes
+    # after a weight sync; ``generate`` runs a batch to its end in one call (the config refuses the combination).
+    def begin_generation(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> None:
+        raise NotImplementedError(PARTIAL_NEEDS_VLLM)
+
+    def advance_generation(self, max_steps: int) -> int:
+        raise NotImplementedError(PARTIAL_NEEDS_VLLM)
+
+    def take_generation(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        raise NotImplementedError(PARTIAL_NEEDS_VLLM)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Direct load (no collective) of a full or partial Hugging Face state dict."""

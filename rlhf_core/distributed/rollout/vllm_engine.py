@@ -136,6 +136,8 @@ class VLLMEngine:
             torch._dynamo.config.disable = True
         self.sleep_enabled = enable_sleep
         self._asleep: set[str] = set()  # memory tags vLLM has released ("weights", "kv_cache")
+        self.weight_version = 0  # weight syncs received: the version each token of a partial rollout records
+        self._partial: PartialGeneration | None = None  # begin_generation .. take_generation
         self.llm = vllm.LLM(
             model=model_path,
             tensor_parallel_size=tensor_parallel_size,
@@ -242,6 +244,61 @@ class VLLMEngine:
             result.append([float(per_token[t][int(ids[t])].logprob) for t in range(1, len(ids))])
         return result
 
+    # -- partial rollout: a generation that weight syncs may interrupt ------------------------------------------------
+    def begin_generation(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> None:
+        """Queue the requests of ``generate_with_logprobs(prompt_token_ids, sampling)`` without running them:
+        ``advance_generation`` runs them a few engine steps at a time, and a weight sync may come in between
+        (``receive_weights``), which keeps them; ``take_generation`` returns them once all have finished."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_awake()
+        if self._partial is not None:
+            raise RuntimeError("begin_generation while another generation is in flight: take_generation() first")
+        # One request per response (n = 1), the k-th sample of a prompt seeded seed + k as vLLM seeds its n samples,
+        # so that each request's new tokens come back on their own at every step (DELTA) and get their version.
+        requests = []
+        for ids, seed in zip(prompt_token_ids, request_seeds(sampling, len(prompt_token_ids))):
+            for k in range(sampling.n):
+                params = SamplingParams(
+                    n=1,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    max_tokens=sampling.max_new_tokens,
+                    seed=None if seed is None else seed + k,
+                    detokenize=False,
+                    logprobs=0,
+                    output_kind=RequestOutputKind.DELTA,
+                )
+                requests.append(({"prompt_token_ids": list(map(int, ids))}, params))
+        self._partial = PartialGeneration(len(requests))
+        engine = self.llm.llm_engine
+        for i, (prompt, params) in enumerate(requests):
+            self._partial.index[engine.add_request(f"{self._partial.key}-{i}", prompt, params)] = i
+
+    def advance_generation(self, max_steps: int) -> int:
+        """Run up to ``max_steps`` engine steps (one new token per running request each) of the generation
+        ``begin_generation`` queued; returns how many of its responses are not finished yet."""
+        partial = self._partial
+        if partial is None:
+            raise RuntimeError("advance_generation without begin_generation")
+        engine = self.llm.llm_engine
+        for _ in range(max_steps):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                partial.add(out, self.weight_version)
+        return partial.unfinished
+
+    def take_generation(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """``(responses, logprobs, versions)`` of the finished generation: those of ``generate_with_logprobs``, and
+        per response token the weight version (``weight_version``) that sampled it."""
+        partial = self._partial
+        if partial is None or partial.unfinished:
+            raise RuntimeError("take_generation before advance_generation finished the generation")
+        self._partial = None
+        return partial.tokens, partial.logprobs, partial.versions
+
     def init_weight_sync(
         self,
         master_addr: str,
@@ -266,8 +323,11 @@ class VLLMEngine:
         outcomes = self.llm.collective_rpc(
             WorkerWeightReceiver.receive_weights.__name__, args=([tuple(s) for s in specs], bucket_bytes, sync_id)
         )
-        # Cached KV blocks were computed with the old weights (or, after a failure, with a partly updated model).
-        self.llm.reset_prefix_cache()
+        self.weight_version += 1
+        # Cached KV blocks were computed with the old weights (or, after a failure, with a partly updated model). The
+        # running requests of a partial rollout are preempted with them: vLLM puts them back in its queue with their
+        # tokens so far, and its next step computes their prompt and those tokens again under the new weights.
+        self.llm.reset_prefix_cache(reset_running_requests=self._partial is not None)
         errors = [f"worker {i}: {o['error']}" for i, o in enumerate(outcomes) if o["error"] is not None]
         if errors:
             raise WeightSyncAborted("; ".join(errors))
@@ -275,3 +335,28 @@ class VLLMEngine:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError("VLLMEngine receives weights through the weight-sync group (sync_weights)")
+
+
+class PartialGeneration:
+    """The responses of one partial rollout as its requests' new tokens arrive, each stamped with the weight
+    version that sampled it."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.key = f"partial-{id(self):x}"
+        self.index: dict[str, int] = {}  # vLLM's request id -> the response's index
+        self.tokens: list[list[int]] = [[] for _ in range(num_requests)]
+        self.logprobs: list[list[float]] = [[] for _ in range(num_requests)]
+        self.versions: list[list[int]] = [[] for _ in range(num_requests)]
+        self.unfinished = num_requests
+
+    def add(self, out: Any, version: int) -> None:
+        """One step's output of a request (``RequestOutput``, DELTA: the tokens new since the last one)."""
+        # vLLM's outputs carry the id it returned from add_request or the one given to it, by version
+        i = self.index.get(out.request_id)
+        i = int(out.request_id.removeprefix(f"{self.key}-")) if i is None else i
+        (completion,) = out.outputs
+        new = list(completion.token_ids)
+        self.tokens[i] += new
+        self.logprobs[i] += [float(per[tok].logprob) for per, tok in zip(completion.logprobs, new)]
+        self.versions[i] += [version] * len(new)
+        self.unfinished -= out.finished
