@@ -536,3 +536,20 @@ def check_steps(stage: str, section: Any, n_rows: int) -> None:
 def fail_after_step() -> int | None:
     value = os.environ.get("RLHF_FAIL_AFTER_STEP")
     return int(value) if value else None
+
+
+def engine_model(st: StageSetup, role: str, backend: str, init_seed: int, tokenizer: Any) -> Any:
+    """What the rollout engines load for ``role``'s model: its worker source; a ``builtin:`` model for vLLM (which
+    loads directories only) built with its init_seed and saved to the stage's scratch directory first."""
+    import torch
+
+    from rlhf_core.models.builders import BUILTIN_PREFIX, build_causal_lm
+
+    source = st.sources[role]
+    if backend != "vllm" or not str(source).startswith(BUILTIN_PREFIX):
+        return source
+    path = Path(st.work) / f"builtin_{role}"
+    model = build_causal_lm(str(source), tokenizer, seed=init_seed, dtype=torch.float32, attn="sdpa")
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path)

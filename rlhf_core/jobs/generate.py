@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from rlhf_core.data.examples import prompt_examples
 from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
 from rlhf_core.distributed.placement import engine_kwargs, generate_groups
 from rlhf_core.jobs import common
-from rlhf_core.models.builders import BUILTIN_PREFIX, build_causal_lm, load_tokenizer, stop_ids
+from rlhf_core.models.builders import load_tokenizer, stop_ids
 from rlhf_core.rewards import load_gold
 from rlhf_core.types import CheckpointRef
 
@@ -62,19 +61,6 @@ def check_fits(stage: str, g: GenerateConfig, available: dict[str, float], nodes
             f"{available.get('CPU', 0):g}; lower '{stage}.rollout.num_engines', '{stage}.rollout.cpus_per_engine' "
             f"or '{stage}.strategy.num_workers'"
         )
-
-
-def engine_model(st: common.StageSetup, g: GenerateConfig, tokenizer: Any) -> Any:
-    """What the engines load: the policy's worker source; a ``builtin:`` policy for vLLM (which loads directories
-    only) built with its init_seed and saved to the scratch directory first."""
-    source = st.sources["model"]
-    if g.rollout.backend != "vllm" or not str(source).startswith(BUILTIN_PREFIX):
-        return source
-    path = Path(st.work) / "builtin_policy"
-    model = build_causal_lm(str(source), tokenizer, seed=g.model.init_seed, dtype=torch.float32, attn="sdpa")
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-    return str(path)
 
 
 def kl_to_reference(
@@ -166,7 +152,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
         kwargs = engine_kwargs(r, g.model, g.strategy.precision, device, g.seed, g.data.max_len)
         engines = cluster.engines(
             r.num_engines,
-            engine_model(st, g, tokenizer),
+            common.engine_model(st, "model", g.rollout.backend, g.model.init_seed, tokenizer),
             eos_token_id=tokenizer.eos_token_id,
             backend=r.backend,
             resources=r.resources,

@@ -235,7 +235,7 @@ class PPOController:
 
         self.engines = cluster.engines(
             p.rollout.num_engines,
-            sources["actor"],
+            common.engine_model(self.setup, "actor", p.rollout.backend, p.actor.model.init_seed, self.tokenizer),
             eos_token_id=self.eos_id,
             backend=p.rollout.backend,
             resources=p.rollout.resources,
