@@ -15,7 +15,9 @@ lines). The last line is the summary:
     ppo_step: speedup=<x> gen_tok_s=<..> base_gen_tok_s=<..> step_s=<..> base_step_s=<..> <phase>_s=<..> ...
 
 (``speedup``: this checkout's generated tokens/s over the baseline's; without a baseline the line starts at
-``gen_tok_s``.) On a shared machine the load drifts between the two runs: compare runs made at a quiet time.
+``gen_tok_s``.) With train.async_enable it also has ``rollout_generate_s`` (the seconds the generator thread took
+for a step's rollout) and ``overlap`` (the share of them the step did not wait for: 1 - generation_s /
+rollout_generate_s). On a shared machine the load drifts between the two runs: compare runs made at a quiet time.
 
 ``--grpo`` measures a GRPO step instead (algo.advantage_estimator=grpo) at the same size: the builtin:medium actor
 alone, 16 prompts x 4 samples, 64 new tokens, one optimizer step per batch (ppo_epochs 1, train_batch_size = all 64
@@ -29,6 +31,7 @@ no GRPO), and the summary line starts ``grpo_step:`` with the same fields.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from bench import _ppo_run
@@ -80,6 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     fields.update({f"{name}_s": s for name, s in phases.items() if name != "step"})
     if generation:  # the engines' own rate: generated tokens per second of the generation phase
         fields["generation_tok_s"] = sum(s.tokens for s in new.measured) / (generation * len(new.measured))
+    generate = new.mean("rollout_generate_s")
+    if (
+        not math.isnan(generate) and generation is not None
+    ):  # async: how much of the generator's time the step did not wait for
+        fields.update(rollout_generate_s=generate, overlap=max(0.0, 1 - generation / generate))
     fields["startup_s"] = new.startup_s
     if base is not None:
         fields["base_startup_s"] = base.startup_s

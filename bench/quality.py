@@ -102,7 +102,9 @@ METHODS = {
         "grpo.algo.loss_agg=seq_mean",
     ),
     "grpo_is_correction": _grpo_with(
-        "grpo with algo.is_correction=tis (engine-to-trainer ratio clamped to is_correction_threshold [0.5, 5])",
+        "grpo_async with algo.is_correction=tis: each token weighed by the trainer-to-engine ratio clamped to "
+        "is_correction_threshold [0.5, 5] (in lockstep the engines sample the trained policy and the ratio is 1)",
+        "grpo.train.async_enable=true",
         "grpo.algo.is_correction=tis",
     ),
     "grpo_dynamic_batch": _grpo_with(

@@ -61,6 +61,20 @@ def test_the_mixed_batch_really_packs(tok):
     assert (p.position_ids == 0).sum(1).max() >= 2  # a row holds several samples
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_batch_with_nothing_scored_still_backpropagates_zeros_to_every_parameter(tok, pack):
+    """A micro-batch whose rows were all filtered out (dynamic filtering): its loss must still have a graph, or
+    DeepSpeed refuses the backward, and with several ranks every rank's gradient collectives must run."""
+    model = build_causal_lm("builtin:tiny", tok, seed=0, dtype=torch.float32, attn="sdpa")
+    seq = mixed_batch(tok)
+    nothing = torch.zeros_like(seq.action_mask)
+    logp, entropy = causal_lm_logprobs(model, seq.input_ids, seq.attention_mask, nothing, pack=pack, with_entropy=True)
+    assert not logp.any() and not entropy.any() and logp.grad_fn is not None
+    (logp.sum() + entropy.sum()).backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(g is not None and not g.any() for g in grads.values()), [n for n, g in grads.items() if g is None]
+
+
 def test_packed_and_padded_log_probs_values_and_scores_agree(tok, lm, scalar):
     seq = mixed_batch(tok)
     mask = seq.action_mask.bool()

@@ -30,6 +30,7 @@ batch depends on timing, as it does in an uninterrupted async run.
 import functools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,13 +43,15 @@ Rollout = tuple[list[list[int]], list[list[float]], list[list[int]] | None]
 
 
 def rollout_logs(record: "BatchRecord", versions: list[list[int]] | None) -> dict[str, float]:
-    """A step's async rollout as logged: the weight updates it lagged when it trained (``rollout_staleness``), those
-    that came while it was generated (``rollout_version_span``: 0 but with partial rollout) and, with partial rollout,
-    the share of its tokens sampled after an update that came during their response (``rollout_tokens_after_update``,
-    from each token's version)."""
+    """A step's async rollout as logged: the weight updates it lagged when it trained (``rollout_staleness``), the
+    seconds the generator took to make it (``rollout_generate_s``; the step's ``timing/generation_s`` is only the
+    part it waited for), the updates that came while it was generated (``rollout_version_span``: 0 but with partial
+    rollout) and, with partial rollout, the share of its tokens sampled after an update that came during their
+    response (``rollout_tokens_after_update``, from each token's version)."""
     logs = {
         "rollout_staleness": float(record.staleness),
         "rollout_version_span": float(record.version_end - record.version_start),
+        "rollout_generate_s": record.seconds,
     }
     if versions is not None:
         after = sum(1 for v in versions for x in v if x != v[0])
@@ -66,6 +69,7 @@ class BatchRecord:
     version_start: int
     version_end: int
     trained_version: int | None = None
+    seconds: float = 0.0  # in ``generate``, lock waits included
 
     @property
     def staleness(self) -> int:
@@ -149,6 +153,7 @@ class AsyncRollout(Generic[B]):
                 self._slots.acquire()
                 if self._stopping.is_set():
                     return
+                started = time.perf_counter()
                 if self.partial:
                     turns: list[int] = []  # the version at each turn
                     batch = self._generate(index, functools.partial(self._turn, turns))
@@ -159,6 +164,7 @@ class AsyncRollout(Generic[B]):
                         version_start = self.version
                         batch = self._generate(index)
                         record = BatchRecord(index, version_start, self.version)
+                record.seconds = time.perf_counter() - started
                 self.records.append(record)
                 if batch is None:
                     self._slots.release()  # filtered to empty: nothing for the trainer to take and give back

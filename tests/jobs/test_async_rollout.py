@@ -78,6 +78,7 @@ def test_staleness_never_exceeds_the_queue_size_and_each_batch_sees_one_weight_v
     assert all(r.version_start == r.version_end for r in rollout.records)  # the lock: no update mid-generation
     assert all(start == end for _, start, end in engine.seen)  # as the engine saw it
     assert [r.version_start for r in rollout.records] == [start for _, start, _ in engine.seen]
+    assert all(r.seconds > 0 for r in rollout.records)  # the generator's own time, which the trainer overlaps
 
 
 @pytest.mark.parametrize("queue_size", [1, 2])

@@ -139,3 +139,49 @@ def test_bad_reward_functions_and_an_unreachable_server_are_refused_before_any_a
     with pytest.raises(RemoteRewardError, match=rf"'ppo.remote_rm_url': .*{url}.*cannot connect"):
         run_ppo(run_dir, *GRPO, *SHORT, f"ppo.remote_rm_url={url}", "ppo.remote_rm.retries=0", cluster=no_actors)
     assert not (run_dir / "ppo").exists()
+
+
+EVERY_THIRD_CALL_FLAT = '''
+calls = 0
+
+
+def score(prompts, responses):
+    """The response's length, except on every third call: 0.0 for every row, so that dynamic filtering drops the
+    whole batch."""
+    global calls
+    calls += 1
+    return [0.0 if calls % 3 == 0 else float(len(r)) for r in responses]
+'''
+
+
+def test_async_rollout_on_the_real_engine_keeps_its_bound_and_survives_batches_filtered_to_empty(run_dir, tmp_path):
+    """Async training on the Hugging Face engine, 40 steps with a queue of 2: every rollout at most 2 weight updates
+    old and sampled by one version, some filtered to empty by dynamic filtering (no deadlock, no NaN), and the run
+    trains every prompt batch in order."""
+    from rlhf_core.data.sampler import global_batch
+
+    fn = tmp_path / "flat.py"
+    fn.write_text(EVERY_THIRD_CALL_FLAT)
+    ref = run_ppo(
+        run_dir,
+        *GRPO,
+        "ppo.train.eval_prompts=0",
+        "ppo.train.max_steps=40",
+        "ppo.train.rollout_batch_size=8",
+        "ppo.train.log_steps=10",
+        "ppo.reward.model=null",
+        f"ppo.reward_fn={fn}:score",
+        "ppo.algo.dynamic_filter=true",
+        "ppo.train.async_enable=true",
+        "ppo.train.async_queue_size=2",
+    )
+    assert ref.metrics["steps"] == 40
+    history = json.loads((run_dir / "ppo" / "metrics.json").read_text())["history"]
+    staleness = [h["rollout_staleness"] for h in history]
+    assert max(staleness) <= 2 and max(staleness) >= 1, staleness
+    assert all(h["rollout_version_span"] == 0 for h in history)
+    empty = [h["step"] for h in history if h["filtered_frac"] == 1.0]
+    assert len(empty) >= 5, [h["filtered_frac"] for h in history]
+    assert all(h["policy_loss"] == h["policy_loss"] for h in history)  # no NaN from an empty batch
+    assert [h["prompts"] for h in history] == [global_batch(1000, 8, s, seed=42) for s in range(40)]
+    print(f"\nasync, queue 2, 40 steps: staleness {staleness}, filtered to empty at steps {empty}")
