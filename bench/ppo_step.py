@@ -83,10 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     fields.update({f"{name}_s": s for name, s in phases.items() if name != "step"})
     if generation:  # the engines' own rate: generated tokens per second of the generation phase
         fields["generation_tok_s"] = sum(s.tokens for s in new.measured) / (generation * len(new.measured))
-    generate = new.mean("rollout_generate_s")
-    if (
-        not math.isnan(generate) and generation is not None
-    ):  # async: how much of the generator's time the step did not wait for
+    generate = new.mean("rollout_generate_s")  # async: how much of the generator's time the step did not wait for
+    if not math.isnan(generate) and generation is not None:
         fields.update(rollout_generate_s=generate, overlap=max(0.0, 1 - generation / generate))
     fields["startup_s"] = new.startup_s
     if base is not None:

@@ -153,18 +153,15 @@ class AsyncRollout(Generic[B]):
                 self._slots.acquire()
                 if self._stopping.is_set():
                     return
+                turns: list[int] = []  # the weight version at each turn
                 started = time.perf_counter()
                 if self.partial:
-                    turns: list[int] = []  # the version at each turn
                     batch = self._generate(index, functools.partial(self._turn, turns))
-                    turns = turns or [self.version]
-                    record = BatchRecord(index, turns[0], turns[-1])
                 else:
-                    with self._lock:
-                        version_start = self.version
+                    with self._turn(turns):  # the whole generation in one turn
                         batch = self._generate(index)
-                        record = BatchRecord(index, version_start, self.version)
-                record.seconds = time.perf_counter() - started
+                turns = turns or [self.version]
+                record = BatchRecord(index, turns[0], turns[-1], seconds=time.perf_counter() - started)
                 self.records.append(record)
                 if batch is None:
                     self._slots.release()  # filtered to empty: nothing for the trainer to take and give back
@@ -177,7 +174,8 @@ class AsyncRollout(Generic[B]):
 
     @contextmanager
     def _turn(self, versions: list[int]) -> Iterator[None]:
-        """One turn of a partial rollout's engine calls: no weight update meanwhile."""
+        """One turn of the generator's engine calls (a whole batch, or with partial rollout a few decoding steps): no
+        weight update meanwhile."""
         with self._lock:
             versions.append(self.version)
             yield

@@ -146,8 +146,8 @@ def causal_lm_logprobs(
     if uses_hidden_path(hf):
         head = hf.get_output_embeddings()
         hidden, router_logits = _final_hidden(model, hf, **inputs)
-        full, hidden = hidden, hidden[rows, cols]
-        anchor = lambda: _head_function(head)(full[:1, :1])  # noqa: E731  (one position through the head)
+        tether = _head_function(head)(hidden[:1, :1]).sum() if b.numel() == 0 else None  # see below
+        hidden = hidden[rows, cols]
         chunk = logprob_chunk_size(head.out_features, chunk_elements)
         scored = chunked_token_logprobs(
             hidden, targets, _head_function(head), temperature, chunk, with_entropy=with_entropy
@@ -155,7 +155,7 @@ def causal_lm_logprobs(
     else:
         output = model(**inputs, use_cache=False)
         logits, router_logits = output.logits[rows, cols], getattr(output, "router_logits", None)
-        anchor = lambda: output.logits  # noqa: E731
+        tether = output.logits[:1, :1].sum() if b.numel() == 0 else None
         chunk = logprob_chunk_size(logits.size(-1), chunk_elements)
         scored = chunked_token_logprobs(logits, targets, nn.Identity(), temperature, chunk, with_entropy=with_entropy)
     if aux_loss is not None:
@@ -165,8 +165,8 @@ def causal_lm_logprobs(
     for values in parts:
         out = torch.zeros(score_mask.shape, dtype=torch.float32, device=values.device)
         out[b, t] = values
-        if b.numel() == 0:  # nothing scored (a batch filtered to empty): zeros that still hang on the forward, so
-            out = out + 0.0 * anchor().sum()  # a backward reaches every parameter and the ranks' collectives match
+        if tether is not None:  # nothing scored (a batch filtered to empty): zeros that still hang on the forward
+            out = out + 0.0 * tether  # (one position, head included), so a backward reaches every parameter
         outs.append(out)
     return tuple(outs) if with_entropy else outs[0]
 

@@ -95,6 +95,7 @@ class EngineHandles:
 # Decoding steps of a partial rollout between two chances for a weight sync (EngineGroup.generate_partial): a sync
 # waits for at most this many steps of the engines; each turn is one more call to every engine.
 TURN_STEPS = 8
+NAN = float("nan")  # the log-prob of the EOS put in an empty response: the engine did not sample it
 
 
 def engine_seed(seed: int, i: int) -> int:
@@ -240,30 +241,24 @@ class EngineGroup:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
         """n responses per prompt, prompt-major; engine i samples with ``engine_seed(seed, i)``; an empty one becomes
         [EOS]."""
-        return self.generate_with_logprobs(prompt_ids, sampling, with_logprobs=False)[0]
+        parts = self._on_engines(RolloutEngine.generate, prompt_ids, sampling)
+        return self._joined([(part,) for part in parts], fills=())[0]
 
     def generate_with_logprobs(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, with_logprobs: bool = True
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig
     ) -> tuple[list[list[int]], list[list[float]]]:
         """``generate``, and per response token the log-prob the engine sampled it with
         (``RolloutEngine.generate_with_logprobs``); an empty response becomes [EOS] with a NaN log-prob (the engine
         did not sample it)."""
-        self.wake_up()
-        method = RolloutEngine.generate_with_logprobs if with_logprobs else RolloutEngine.generate
-        refs = [
-            self.handles.call_one_async(i, method, chunk, seeded)
-            for i, chunk, seeded in self._split(prompt_ids, sampling)
-        ]
-        parts = [part if with_logprobs else (part, [[] for _ in part]) for part in self.handles.get(refs)]
-        responses, logprobs, _ = self._joined([(*part, [[] for _ in part[0]]) for part in parts])
-        return responses, logprobs
+        return self._joined(self._on_engines(RolloutEngine.generate_with_logprobs, prompt_ids, sampling), (NAN,))
 
     def generate_partial(
         self, prompt_ids: list[list[int]], sampling: SamplingConfig, turn: Callable[[], ContextManager[Any]]
     ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """Partial rollout (vLLM engines): ``generate_with_logprobs`` in turns of ``TURN_STEPS`` decoding steps, each
         inside ``turn()``, so that weight syncs can come in between; the responses keep running through them. Also
-        returns, per response token, the weight version (the engine's syncs received) that sampled it."""
+        returns, per response token, the weight version (the engine's syncs received) that sampled it (-1 for the
+        EOS put in an empty response)."""
         self.wake_up()
         split = self._split(prompt_ids, sampling)
         self.handles.get([self.handles.call_one_async(i, RolloutEngine.begin_generation, c, s) for i, c, s in split])
@@ -274,7 +269,13 @@ class EngineGroup:
                 left = self.handles.get(refs)
             running = [i for i, n in zip(running, left) if n]
         parts = self.handles.get([self.handles.call_one_async(i, RolloutEngine.take_generation) for i, _, _ in split])
-        return self._joined(parts)
+        return self._joined(parts, fills=(NAN, -1))
+
+    def _on_engines(self, method: Callable[..., R], prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[R]:
+        """``method(prompts, sampling)`` on each engine with its share of the prompts (``_split``), awake."""
+        self.wake_up()
+        split = self._split(prompt_ids, sampling)
+        return self.handles.get([self.handles.call_one_async(i, method, c, s) for i, c, s in split])
 
     def _split(
         self, prompt_ids: list[list[int]], sampling: SamplingConfig
@@ -288,20 +289,17 @@ class EngineGroup:
             if chunk
         ]
 
-    def _joined(
-        self, parts: list[tuple[list[list[int]], list[list[float]], list[list[int]]]]
-    ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
-        """The engines' ``(responses, logprobs, versions)`` in prompt order; an empty response becomes [EOS] with a
-        NaN log-prob (the engine did not sample it) and version -1."""
-        responses: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        versions: list[list[int]] = []
-        for tokens, lps, vs in parts:
-            for r, lp, v in zip(tokens, lps, vs):
-                responses.append(r if r else [self.eos])
-                logprobs.append(lp if r else [float("nan")])
-                versions.append(v if r else [-1])
-        return responses, logprobs, versions
+    def _joined(self, parts: list[tuple[list[list[Any]], ...]], fills: tuple[Any, ...]) -> Any:
+        """The engines' columns (responses, then per-token lists beside them) in prompt order. An empty response
+        becomes [EOS], and its row in each other column ``[fill]``: the engine did not sample that token (a NaN
+        log-prob)."""
+        columns: list[list[list[Any]]] = [[] for _ in range(1 + len(fills))]
+        for part in parts:
+            for response, *rest in zip(*part):
+                columns[0].append(response or [self.eos])
+                for column, row, fill in zip(columns[1:], rest, fills):
+                    column.append(row if response else [fill])
+        return tuple(columns)
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         self.wake_up()

@@ -272,9 +272,8 @@ class VLLMEngine:
                 )
                 requests.append(({"prompt_token_ids": list(map(int, ids))}, params))
         self._partial = PartialGeneration(len(requests))
-        engine = self.llm.llm_engine
         for i, (prompt, params) in enumerate(requests):
-            self._partial.index[engine.add_request(f"{self._partial.key}-{i}", prompt, params)] = i
+            self.llm.llm_engine.add_request(f"{PartialGeneration.PREFIX}{i}", prompt, params)
 
     def advance_generation(self, max_steps: int) -> int:
         """Run up to ``max_steps`` engine steps (one new token per running request each) of the generation
@@ -341,9 +340,9 @@ class PartialGeneration:
     """The responses of one partial rollout as its requests' new tokens arrive, each stamped with the weight
     version that sampled it."""
 
+    PREFIX = "partial-"  # request i's id: PREFIX + i (vLLM's outputs carry the id it was given)
+
     def __init__(self, num_requests: int) -> None:
-        self.key = f"partial-{id(self):x}"
-        self.index: dict[str, int] = {}  # vLLM's request id -> the response's index
         self.tokens: list[list[int]] = [[] for _ in range(num_requests)]
         self.logprobs: list[list[float]] = [[] for _ in range(num_requests)]
         self.versions: list[list[int]] = [[] for _ in range(num_requests)]
@@ -351,9 +350,7 @@ class PartialGeneration:
 
     def add(self, out: Any, version: int) -> None:
         """One step's output of a request (``RequestOutput``, DELTA: the tokens new since the last one)."""
-        # vLLM's outputs carry the id it returned from add_request or the one given to it, by version
-        i = self.index.get(out.request_id)
-        i = int(out.request_id.removeprefix(f"{self.key}-")) if i is None else i
+        i = int(out.request_id.removeprefix(self.PREFIX))
         (completion,) = out.outputs
         new = list(completion.token_ids)
         self.tokens[i] += new
