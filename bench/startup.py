@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as heads:
         for side in args.shared_ray:  # one Ray for all of this side's jobs, started before them (the flow's way)
             from rlhf_core.jobs.common import ray_cpus
-            from tasks._launch import HEAD_ENV, ray_head
+            from tasks.launch import HEAD_ENV, ray_head
 
             cpus = max((c for c in (ray_cpus(cfg.stage(n)) for n in order) if c is not None), default=1)
             address = heads.enter_context(ray_head(cpus))

@@ -17,7 +17,7 @@ from prefect.context import FlowRunContext
 
 from rlhf_core.compare import Report, compare_report, default_name
 
-ROOT = Path(__file__).resolve().parent.parent  # as tasks._launch.ROOT, without importing the job helpers
+ROOT = Path(__file__).resolve().parent.parent  # as tasks.launch.ROOT, without importing the job helpers
 RUNS = ROOT / "runs"
 ARTIFACT_KEY = "run-comparison"
 

@@ -30,7 +30,7 @@ from rlhf_core import run_layout
 from rlhf_core.config import ConfigError, PipelineConfig, load_config, redact_url, to_yaml
 from rlhf_core.run_layout import open_store
 from tasks import progress
-from tasks._launch import ROOT, kill_all_jobs, shared_ray
+from tasks.launch import ROOT, kill_all_jobs, shared_ray
 from tasks.stages import RunSpec, existing_refs, stage_task
 
 PRESETS = ROOT / "deployments" / "configs"

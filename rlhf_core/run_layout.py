@@ -13,7 +13,7 @@
         reference_logprobs/       DPO/KTO with ``ref_logprobs: precompute``
       tensorboard/<stage>/, wandb/  experiment trackers' files (``rlhf_core.tracking``)
       _leases/<stage>.json        one writer per stage (``rlhf_core.lease``)
-      _launches/<stage>-<ns>.json one record per launched stage job (``tasks._launch``)
+      _launches/<stage>-<ns>.json one record per launched stage job (``tasks.launch``)
       _prefect/results/<key>      Prefect task results (``tasks.stages``)
 
 Paths here are relative to the run's root, as ``ObjectStore`` takes them. Folders whose names start with ``_`` or

@@ -64,7 +64,7 @@ def guard_head(parent: int, temp: Path, cmd: list[str], poll_s: float = 1.0) -> 
     """Run a flow run's Ray head (``cmd``, ``ray start --head --block``) as a child of this process and stop it, with
     everything it started, once ``parent`` (the process that runs the flow) is gone. A flow process that dies by
     SIGKILL or with its container runs no hook, and a head left behind would hold its CPUs and its stage jobs'
-    workers for good. Stopping this guard's session stops the head with it (``tasks._launch.ray_head``)."""
+    workers for good. Stopping this guard's session stops the head with it (``tasks.launch.ray_head``)."""
     head = subprocess.Popen(cmd)
     while head.poll() is None:
         if os.getppid() != parent:  # reparented: the flow's process is gone

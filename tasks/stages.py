@@ -26,7 +26,7 @@ from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config, stage_has
 from rlhf_core.run_layout import committed_ref, existing_output, open_store
 from rlhf_core.timing import phase_rows
 from tasks import progress
-from tasks._launch import StageJobError, launch_stage
+from tasks.launch import StageJobError, launch_stage
 from tasks.live_curves import LiveCurves
 
 

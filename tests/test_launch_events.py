@@ -3,7 +3,7 @@
 import pytest
 
 from rlhf_core.storage import ObjectStore
-from tasks._launch import StageJobError, launch_stage
+from tasks.launch import StageJobError, launch_stage
 
 JOB = "tests.fixtures.fake_stage_job"
 

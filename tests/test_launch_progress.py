@@ -1,7 +1,7 @@
 """A progress callback that fails (the Prefect API unreachable from the launcher's thread) does not cost the result."""
 
 from rlhf_core.storage import ObjectStore
-from tasks._launch import launch_stage
+from tasks.launch import launch_stage
 
 JOB = "tests.fixtures.fake_stage_job"
 

@@ -1,4 +1,4 @@
-"""One Ray for a flow run's stage jobs (``tasks._launch.shared_ray``): a local head that the jobs join through
+"""One Ray for a flow run's stage jobs (``tasks.launch.shared_ray``): a local head that the jobs join through
 RAY_ADDRESS, stopped by pid afterwards, nothing started when RAY_ADDRESS is set or no stage uses Ray."""
 
 import os
@@ -10,7 +10,7 @@ import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.jobs.common import ray_cpus
-from tasks._launch import _HEADS, HEAD_ENV, shared_ray
+from tasks.launch import _HEADS, HEAD_ENV, shared_ray
 from tests.conftest import ROOT, TINY
 
 JOB = """

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.ports import free_port
-from tasks._launch import environ
 from tasks._procs import kill_tree
+from tasks.launch import environ
 from tests.ray_cluster import cluster_env, local_cluster
 
 BIN = Path(sys.executable).parent

@@ -23,8 +23,8 @@ from prefect.states import Cancelling
 from deployments.deploy import deploy
 from flows.report import summary_markdown
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
-from tasks._launch import ROOT
 from tasks._procs import head_guards
+from tasks.launch import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ PPO_PHASES = [
 
 
 def ray_heads_of_runs() -> set[int]:
-    """Processes of any cluster started by tasks._launch.ray_head (their command lines name its /tmp/rlhf-ray-*)."""
+    """Processes of any cluster started by tasks.launch.ray_head (their command lines name its /tmp/rlhf-ray-*)."""
     found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         with contextlib.suppress(psutil.Error):

@@ -9,14 +9,14 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
-from tasks._launch import _HEADS
+from tasks.launch import _HEADS
 
 # make test proves one Ray for a run's jobs on the deployed run (test_pipeline.py::deployed_run, shared_ray)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def _ray_heads_of_runs() -> list[int]:
-    """Processes of any cluster started by tasks._launch.ray_head (their command lines name its /tmp/rlhf-ray-*)."""
+    """Processes of any cluster started by tasks.launch.ray_head (their command lines name its /tmp/rlhf-ray-*)."""
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
