@@ -123,7 +123,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
             "ppo.critic.model=null",  # the critic-free estimator refuses one
             "ppo.reward.model=null",
             f"ppo.reward_fn={GOLD_REWARD_FN}",
-            # No KL, so no reference model is built (placement.needs_kl); kl_mode stays reward, as kl_mode=loss
+            # No KL, so no reference model is built (algo.needs_kl); kl_mode stays reward, as kl_mode=loss
             # refuses a zero coefficient.
             "ppo.algo.kl_coef=0",
             f"ppo.train.train_batch_size={args.prompts * samples}",  # the whole batch: one optimizer step per epoch

@@ -215,7 +215,7 @@ def test_task_progress_comes_from_job_events_not_log_text():
         if name == "re"
     ]
     fail_on(offenders, "tasks read events, not log text")
-    launch = (ROOT / "tasks" / "_launch.py").read_text()
+    launch = (ROOT / "tasks" / "launch.py").read_text()
     assert "read_new" in launch and "EVENTS_ENV" in launch
 
 
@@ -411,7 +411,20 @@ def test_run_path_pattern():
 # Stage modules
 
 JOBS = ROOT / "rlhf_core" / "jobs"
-TRAINING_STAGES = ("sft", "reward_model", "dpo", "kto", "ppo")
+# Where each training stage's step loop lives: its own module, the preference trainer for DPO and KTO (whose modules
+# hold their losses), the controller for PPO.
+STEP_LOOPS = {
+    "sft": JOBS / "sft.py",
+    "reward_model": JOBS / "reward_model.py",
+    "dpo and kto": JOBS / "preference.py",
+    "ppo": JOBS / "ppo" / "controller.py",
+}
+# The supervised step loops, written alike on purpose (a reader who knows one knows all): (module, rank class).
+ALIKE_LOOPS = (
+    (JOBS / "sft.py", "SFTTrainer"),
+    (JOBS / "reward_model.py", "RewardModelTrainer"),
+    (JOBS / "preference.py", "PreferenceTrainer"),
+)
 
 
 def _is_step_loop(node: ast.AST) -> bool:
@@ -426,15 +439,76 @@ def _is_step_loop(node: ast.AST) -> bool:
 
 
 def test_every_training_stage_owns_its_step_loop():
-    """rlhf_core/jobs/{sft,reward_model,dpo,kto,ppo}.py each hold their own ``for step in range(...)`` loop."""
+    """Each training stage's step loop (``for step in range(...)``) is written in its own job module, DPO's and KTO's
+    in the preference trainer beside them, PPO's in its controller."""
     offenders = []
-    for kind in TRAINING_STAGES:
-        path = JOBS / f"{kind}.py"
+    for kind, path in STEP_LOOPS.items():
         if not path.exists():
-            offenders.append(f"{rel(path)}:1: missing")
+            offenders.append(f"{rel(path)}:1: missing ({kind})")
         elif not any(_is_step_loop(node) for node in walk(parse(path))):
-            offenders.append(f"{rel(path)}:1: no `for step in range(...)` loop")
+            offenders.append(f"{rel(path)}:1: no `for step in range(...)` loop ({kind})")
     fail_on(offenders, "training stages without their own step loop")
+
+
+class _Normalise(ast.NodeTransformer):
+    """What may differ between loops meant to be alike: the preference trainer calls its method's loss
+    (``self.method.loss``) where the others call their own (``self.loss``)."""
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        self.generic_visit(node)
+        value = node.value
+        if isinstance(value, ast.Attribute) and ast.unparse(value) == "self.method":
+            return ast.copy_location(ast.Attribute(value=value.value, attr=node.attr, ctx=node.ctx), node)
+        return node
+
+
+def normalised_step_loop(source: str, cls: str) -> str | None:
+    """The step loop of ``cls.fit`` in ``source``, normalised (comments and layout gone, ``self.method.X`` read as
+    ``self.X``); None when the class, its ``fit`` or the loop is missing."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            fit = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "fit"), None)
+            loop = next((n for n in ast.walk(fit) if _is_step_loop(n)), None) if fit else None
+            return ast.unparse(_Normalise().visit(loop)) if loop else None
+    return None
+
+
+def loop_drifts(sources: dict[str, tuple[str, str]]) -> list[str]:
+    """Offenders among ``{name: (source, class)}``: a loop missing, or a loop that differs from the first one's,
+    with the first line where they part."""
+    loops = {name: normalised_step_loop(source, cls) for name, (source, cls) in sources.items()}
+    (first, model), offenders = next(iter(loops.items())), []
+    for name, loop in loops.items():
+        if loop is None:
+            offenders.append(f"{name}: no `for step in range(...)` loop in {sources[name][1]}.fit")
+        elif model is not None and loop != model:
+            here, there = loop.splitlines(), model.splitlines()
+            at = next((i for i, (a, b) in enumerate(zip(here, there)) if a != b), min(len(here), len(there)))
+            shown = here[at].strip() if at < len(here) else "(ends)"
+            offenders.append(f"{name}: its step loop parts from {first}'s at loop line {at + 1}: {shown}")
+    return offenders
+
+
+def test_the_supervised_step_loops_are_alike():
+    """The step loops of sft, reward_model and the preference trainer (DPO, KTO) are the same code once normalised:
+    a change to one (a metric averaged differently, a checkpoint saved elsewhere) must be made to all."""
+    sources = {rel(path): (path.read_text(), cls) for path, cls in ALIKE_LOOPS}
+    fail_on(loop_drifts(sources), "supervised step loops that drifted apart")
+
+
+def test_a_planted_drift_in_one_alike_loop_fails():
+    """The check above on the real loops with one change planted in the reward model's: it is found and named."""
+    sources = {rel(path): (path.read_text(), cls) for path, cls in ALIKE_LOOPS}
+    name = rel(JOBS / "reward_model.py")
+    text, cls = sources[name]
+    planted = "sums[k] = sums.get(k, 0.0) + v / strategy.accumulation_steps"
+    assert planted in text
+    sources[name] = (text.replace(planted, "sums[k] = sums.get(k, 0.0) + v"), cls)
+    assert loop_drifts(sources) == [
+        f"{name}: its step loop parts from {rel(JOBS / 'sft.py')}'s at loop line 11: sums[k] = sums.get(k, 0.0) + v"
+    ]
+    sources[name] = (text.replace("for step in range(", "for i in range("), cls)
+    assert loop_drifts(sources) == [f"{name}: no `for step in range(...)` loop in {cls}.fit"]
 
 
 def test_no_job_module_subclasses_another_job_modules_class():

@@ -9,7 +9,7 @@ from bench import _ppo_run
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import gold_reward
 from rlhf_core.distributed.placement import RoleSet
-from rlhf_core.old_logprobs import old_logprobs_source
+from rlhf_core.jobs.ppo.old_logprobs import old_logprobs_source
 from rlhf_core.rewards import call_reward_fn, load_reward_fn
 
 

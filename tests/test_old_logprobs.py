@@ -1,6 +1,7 @@
-"""Where a PPO step's old log-probs come from (``rlhf_core.old_logprobs``): the training forward for a batch of one
-optimizer step without a KL in its rewards, the engines' with algo.use_rollout_logprobs when the probed rows agree,
-else the actor's forward; the config refuses the engines' log-probs together with the engine/trainer correction."""
+"""Where a PPO step's old log-probs come from (``rlhf_core.jobs.ppo.old_logprobs``): the training forward for a batch
+of one optimizer step without a KL in its rewards, the engines' with algo.use_rollout_logprobs when the probed rows
+agree, else the actor's forward; the config refuses the engines' log-probs together with the engine/trainer
+correction."""
 
 import math
 
@@ -9,7 +10,7 @@ import torch
 
 from rlhf_core.algos.batching import make_sequences
 from rlhf_core.config import ConfigError, as_ppo, load_config
-from rlhf_core.old_logprobs import engine_old_logprobs, old_logprobs_source, probe_rows
+from rlhf_core.jobs.ppo.old_logprobs import engine_old_logprobs, old_logprobs_source, probe_rows
 from tests.conftest import TINY
 
 ONE_STEP = ("ppo.train.train_batch_size=32",)  # tiny: 16 prompts x 2 samples = one optimizer step

@@ -70,12 +70,12 @@ def _kto(p: KTOConfig, reference: str | None = None) -> KTOTrainer:
 
 def _policy(impl, tokenizer):
     torch.manual_seed(0)
-    return impl.build_model(tokenizer, torch.float32, "sdpa")
+    return impl.trainer.build_model(tokenizer, torch.float32, "sdpa")
 
 
 def _own_logps(model, impl, batch) -> torch.Tensor:
     with torch.no_grad():
-        return response_logprobs(model, batch, impl.packing)[0]
+        return response_logprobs(model, batch, impl.trainer.packing)[0]
 
 
 def test_dpo_with_the_policy_as_reference_has_loss_log_2_online_and_precomputed(tokenizer):
@@ -200,7 +200,7 @@ def test_the_training_ranks_score_the_starting_policy_each_its_share_and_rank_0_
     box, barrier = [None] * world, threading.Barrier(world)
     ranks = [copy.deepcopy(splits) for _ in range(world)]
 
-    def score(model, strategy, splits) -> None:  # as DPOTrainer.fit calls it, on the model it has just built
+    def score(model, strategy, splits) -> None:  # as PreferenceTrainer.fit calls it, on the model it has just built
         score_on_ranks(
             model, ctx, strategy, p, splits, impl.reference_sequences, impl.REF_KEYS, tokenizer.pad_token_id
         )

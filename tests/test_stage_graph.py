@@ -87,8 +87,10 @@ def test_graph_mistakes_are_refused_naming_the_key(tmp_path, text, message):
 
 
 def test_every_kind_names_a_job_module_that_exists():
+    """Each kind's job runs as ``python -m <job>``: a module, or a package with a ``__main__``."""
     for kind in STAGE_KINDS.values():
-        assert (ROOT / (kind.job.replace(".", "/") + ".py")).is_file(), kind
+        path = ROOT / kind.job.replace(".", "/")
+        assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), kind
 
 
 def test_a_job_picks_its_instance_by_name_or_by_its_kind():

@@ -133,7 +133,7 @@ class PolicyActor(TrainableRole):
             exp = exp.with_advantages(
                 distributed_masked_whiten(exp.advantages, exp.action_mask, self.strategy.all_reduce_sum), exp.returns
             )
-        kl_loss = a.kl_mode == "loss"
+        kl_loss = a.kl_in_loss
         assert not kl_loss or exp.ref_logprobs is not None, "kl_mode=loss trains on the reference log-probs"
         temperature, pack = self.ctx.temperature, self.ctx.strategy.packing
         from_training = exp.old_logprobs is None

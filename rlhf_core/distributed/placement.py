@@ -3,9 +3,10 @@
 A PPO-kind stage (ppo, critic_warmup) builds an actor and the roles of its ``RoleSet`` (critic, reference, reward
 model). From the config this module answers what they ask Ray for (``resource_demand``, ``pinned_groups``), whether
 the cluster can place them (``check_fits``, before any actor starts), and which colocation bundles they share
-(``PlacementPlan``, which ``jobs.ppo.PPOController.start`` turns into placement groups and worker groups). The
-generate stage's groups (``generate_groups``) and the rollout engines' constructor kwargs (``engine_kwargs``, PPO's
-and generate's) sit here too, so that ``jobs.common.ray_cpus`` reads one module below the jobs.
+(``PlacementPlan``, which ``jobs.ppo.controller.PPOController.start`` turns into placement groups and worker
+groups). The generate stage's groups (``generate_groups``) and the rollout engines' constructor kwargs
+(``engine_kwargs``, PPO's and generate's) sit here too, so that ``jobs.common.ray_cpus`` reads one module below the
+jobs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from rlhf_core.config import (
     ConfigError,
     GenerateConfig,
     ModelConfig,
-    PPOAlgoConfig,
     PPOConfig,
     RolloutConfig,
     StrategyConfig,
@@ -39,12 +39,6 @@ Groups = dict[str, tuple[int, float, dict[str, float]]]
 # The roles a PPO-kind stage builds
 
 
-def needs_kl(algo: PPOAlgoConfig) -> bool:
-    """A KL to the reference policy, as a reward penalty or a loss term: none when kl_coef = 0 and no adaptive target
-    (as OpenRLHF)."""
-    return algo.kl_coef > 0 or algo.kl_target is not None
-
-
 def actor_is_reference(p: PPOConfig, train_actor: bool) -> bool:
     """The policy is the reference at every step: the actor never trains (the critic warm-up) and the reference is its
     starting model (``reference`` null). The actor's old log-probs are then the reference's, and the KL is 0."""
@@ -54,7 +48,7 @@ def actor_is_reference(p: PPOConfig, train_actor: bool) -> bool:
 @dataclass(frozen=True)
 class RoleSet:
     """The Ray roles a PPO-kind stage builds besides the actor. ``critic``: GAE and the critic warm-up train one
-    (``config.uses_critic``); the critic-free estimators build none. ``reference``: for a KL (``needs_kl``) to a
+    (``config.uses_critic``); the critic-free estimators build none. ``reference``: for a KL (``algo.needs_kl``) to a
     policy other than the frozen actor (``actor_is_reference``). ``reward_model``: with ``reward`` (rewards from a
     function or a server only need no workers)."""
 
@@ -68,7 +62,7 @@ class RoleSet:
         kind = "ppo" if train_actor else "critic_warmup"
         return cls(
             critic=uses_critic(kind, p),
-            reference=needs_kl(p.algo) and not actor_is_reference(p, train_actor),
+            reference=p.algo.needs_kl and not actor_is_reference(p, train_actor),
             reward_model=p.reward.model is not None,
         )
 

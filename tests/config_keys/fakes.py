@@ -219,17 +219,18 @@ def first_step(cfg: StrategyConfig, factory: type, *args, key: str = "strategy")
     as fit() does, in fp32 with sdpa, scores the reference on one rank (score_on_ranks: the starting model's reference
     log-probs when the job attached none), and its loss runs on the first four training examples."""
     check_constructor(factory, args, {})
-    trainer = factory(*args)
+    method = factory(*args)  # DPOTrainer / KTOTrainer: the stage's loss, run by its preference step loop
+    trainer = method.trainer
     ctx = trainer.ctx = dataclasses.replace(trainer.ctx, model_path=local_model_path(trainer.ctx.model_path))
     tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
     model = trainer.build_model(tokenizer, torch.float32, "sdpa")
     examples = {"train": trainer.train_examples, "eval": trainer.eval_examples}
     strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train)
     pad_id = tokenizer.pad_token_id
-    score_on_ranks(model, ctx, strategy, trainer.p, examples, trainer.reference_sequences, trainer.REF_KEYS, pad_id)
+    score_on_ranks(model, ctx, strategy, trainer.p, examples, method.reference_sequences, method.REF_KEYS, pad_id)
     forwards: list[tuple[int, bool]] = []
     model.register_forward_pre_hook(forward_record(forwards), with_kwargs=True)
-    loss, metrics = trainer.loss(model, trainer.collate(trainer.train_examples[:4], tokenizer.pad_token_id))
+    loss, metrics = method.loss(model, method.collate(trainer.train_examples[:4], tokenizer.pad_token_id))
     return [
         {
             "steps": 0,

@@ -36,12 +36,12 @@ def _ppo_setup(cfg: PipelineConfig, stage: str):
     (``fakes.in_process``)."""
     from rlhf_core.config import as_ppo
     from rlhf_core.distributed.placement import RoleSet, role_models
-    from rlhf_core.jobs import ppo
+    from rlhf_core.jobs.ppo.controller import PPOController, load_inputs
 
     p, train_actor = as_ppo(cfg.stage(stage)), cfg.kind(stage) == "ppo"
     roles = RoleSet.of(p, train_actor)
     setup = common.setup_stage(cfg, stage, role_models(p, roles))
-    return ppo.PPOController(stage, p, setup, train_actor, roles, ppo.load_inputs(stage, p, setup), in_process())
+    return PPOController(stage, p, setup, train_actor, roles, load_inputs(stage, p, setup), in_process())
 
 
 def rollout_mode(cfg: PipelineConfig, stage: str) -> str:
@@ -52,8 +52,8 @@ def rollout_mode(cfg: PipelineConfig, stage: str) -> str:
 
 
 def ppo_controller(cfg: PipelineConfig, stage: str) -> Any:
-    """jobs.ppo.PPOController(...) as run() builds it before any Ray actor: prompts, plan, reward stats, gold, KL,
-    and the engines' kwargs as start() passes them."""
+    """jobs.ppo.controller.PPOController(...) as run() builds it before any Ray actor: prompts, plan, reward stats,
+    gold, KL, and the engines' kwargs as start() passes them."""
     from rlhf_core.distributed.placement import engine_kwargs
 
     def build():
@@ -163,13 +163,14 @@ def fixed_experience(pad_id: int, eos_id: int):
 
 
 def advantage_phase(cfg: PipelineConfig, stage: str) -> Any:
-    """PPOController.advantages on a fixed Experience (scores -> EOS penalty, clip -> KL penalty -> GAE), then one
-    KL-controller update."""
+    """jobs.ppo.experience.advantages on a fixed Experience (scores -> EOS penalty, clip -> KL penalty -> GAE), then
+    one KL-controller update."""
+    from rlhf_core.jobs.ppo.experience import advantages
     from rlhf_core.rewards import Scored
 
     def run():
         c = _ppo_setup(cfg, stage)
-        exp, logs = c.advantages(Scored(fixed_experience(c.pad_id, c.eos_id), {}))
+        exp, logs = advantages(Scored(fixed_experience(c.pad_id, c.eos_id), {}), c.p, c.kl_ctl.value)
         c.kl_ctl.update(0.5, 64)
         return {
             "advantages": exp.advantages.tolist(),
@@ -181,8 +182,9 @@ def advantage_phase(cfg: PipelineConfig, stage: str) -> Any:
     return outcome(run)
 
 
-# The reward sources and the critic-free estimators, fast: PPOController.experience on fixed responses with its role
-# groups answering fixed numbers (FixedRole), then .advantages; the remote reward servers are real loopback servers.
+# The reward sources and the critic-free estimators, fast: the controller's experience phase (ExperienceMaker.make) on
+# fixed responses with its role groups answering fixed numbers (FixedRole), then advantages; the remote reward
+# servers are real loopback servers.
 
 
 FIXED_RESPONSES = ("a lovely happy day", "a sad day", "the calm lake", "the calm river")  # 2 prompts x 2 samples
@@ -228,10 +230,12 @@ def rounded(values: Any) -> list[float]:
 
 
 def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
-    """PPOController(...) (its reward sources checked), .experience on FIXED_RESPONSES with the roles answering fixed
-    numbers (FixedRole), then .advantages: each source's scores, their weighted sum, advantages, returns, the action
-    tokens left per sample, the logs; with a loopback server at remote_rm_url, the requests it got (rows of each, and
-    whether a pause of >= 0.5 s came between two)."""
+    """PPOController(...) (its reward sources checked), its experience phase on FIXED_RESPONSES with the roles
+    answering fixed numbers (FixedRole), then advantages: each source's scores, their weighted sum, advantages,
+    returns, the action tokens left per sample, the logs; with a loopback server at remote_rm_url, the requests it got
+    (rows of each, and whether a pause of >= 0.5 s came between two)."""
+    from rlhf_core.jobs.ppo.experience import advantages
+
     server = REWARD_SERVERS.get(cfg.stage(stage).remote_rm_url or "")
     seen = (len(server.times), len(server.state.batches)) if server is not None else None
 
@@ -244,8 +248,10 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
         c.reference = FixedRole("reference") if c.roles.reference else None
         responses = [c.tokenizer.encode(t, add_special_tokens=False) + [c.eos_id] for t in FIXED_RESPONSES]
         prompts = c.prompts[:2]
-        scored = c.experience([e["prompt_ids"] for e in prompts], responses, [e["prompt"] for e in prompts])
-        exp, logs = c.advantages(scored)
+        scored = c.experience_maker().make(
+            [e["prompt_ids"] for e in prompts], responses, [e["prompt"] for e in prompts]
+        )
+        exp, logs = advantages(scored, c.p, c.kl_ctl.value)
         return {
             "prompts": [e["prompt"] for e in prompts for _ in range(2)],
             "texts": [c.tokenizer.decode(r, skip_special_tokens=True) for r in responses],
@@ -269,10 +275,10 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
 
 
 def old_logprobs_phase(cfg: PipelineConfig, stage: str) -> Any:
-    """PPOController.experience on FIXED_RESPONSES as fit() runs it for a step whose actor trains (the old log-probs'
-    source from ``rlhf_core.old_logprobs``), the roles answering fixed numbers (FixedRole) and the engines' log-probs
-    0.05 above the actor's: the source, the experience phase's metrics and the old log-probs."""
-    from rlhf_core.old_logprobs import old_logprobs_source
+    """The controller's experience phase on FIXED_RESPONSES as fit() runs it for a step whose actor trains (the old
+    log-probs' source from ``jobs.ppo.old_logprobs``), the roles answering fixed numbers (FixedRole) and the engines'
+    log-probs 0.05 above the actor's: the source, the experience phase's metrics and the old log-probs."""
+    from rlhf_core.jobs.ppo.old_logprobs import old_logprobs_source
 
     def run():
         c = _ppo_setup(cfg, stage)
@@ -287,22 +293,22 @@ def old_logprobs_phase(cfg: PipelineConfig, stage: str) -> Any:
         (actor,) = FixedRole("actor").call_each_async(None, [seq])
         engine = [(actor[i][seq.action_mask[i].bool()] + 0.05).tolist() for i in range(seq.size)]
         source = old_logprobs_source(c.p, actor_frozen=False, ref_from_actor=c.ref_from_actor)
-        scored = c.experience(prompt_ids, responses, [e["prompt"] for e in prompts], None, source, engine)
+        scored = c.experience_maker().make(prompt_ids, responses, [e["prompt"] for e in prompts], None, source, engine)
         return {"source": source, "logs": scored.logs, "old": _rounded(scored.exp.old_logprobs)}
 
     return outcome(run)
 
 
 def ppo_plan(cfg: PipelineConfig, stage: str) -> Any:
-    """jobs.ppo.optimizer_steps and placement's resource_demand / check_fits for the stage (what start() asks of
+    """jobs.ppo.roles.optimizer_steps and placement's resource_demand / check_fits for the stage (what start() asks of
     Ray)."""
     from rlhf_core.distributed import placement
-    from rlhf_core.jobs import ppo
+    from rlhf_core.jobs.ppo.roles import optimizer_steps
 
     p = as_ppo(cfg.stage(stage))
     roles = placement.RoleSet.of(p)  # counted with a trained actor, as ``jobs.common.ray_cpus`` does
     return {
-        "optimizer_steps": ppo.optimizer_steps(p, 10),
+        "optimizer_steps": optimizer_steps(p, 10),
         "cpu": placement.resource_demand(p, roles, "cpu"),
         "cuda": placement.resource_demand(p, roles, "cuda"),
         "fits_cpu": outcome(lambda: placement.check_fits(stage, p, roles, "cpu", {"CPU": 64})),
@@ -362,6 +368,9 @@ def _role_report(c) -> dict:
     micro-batch sizes of each role), the held-out evaluation, one train() on that experience (its old log-probs and
     values shifted, so that the clips act; the engines' log-probs taken as the unshifted ones, 0.5 above the old
     ones, for the truncated importance weights)."""
+    from rlhf_core.distributed.placement import row_multiple
+    from rlhf_core.jobs.ppo.experience import advantages
+
     tokenizer_len = len(c.tokenizer)
     gen = torch.Generator().manual_seed(0)
     prompts = [e["prompt_ids"] for e in c.prompts[:8]]
@@ -386,17 +395,18 @@ def _role_report(c) -> dict:
     calls = out["micro_batches"]
     hooks = [m.register_forward_pre_hook(forward_record(calls[r]), with_kwargs=True) for r, m in roles.items()]
     try:
-        scored = c.experience(prompts, responses, texts)
+        scored = c.experience_maker().make(prompts, responses, texts)
     finally:
         for h in hooks:
             h.remove()
     exp = scored.exp
     out["logprobs"] = {"old": _rounded(exp.old_logprobs), "ref": _rounded(exp.ref_logprobs)}
-    out["evaluate"] = {k: round(v, 6) for k, v in c.evaluate().items()}
+    evaluated = c.held_out.evaluate(c.engines, c.experience_maker(), row_multiple(c.p, c.roles))
+    out["evaluate"] = {k: round(v, 6) for k, v in evaluated.items()}
     mask = exp.action_mask
     shifted = dataclasses.replace(exp, old_logprobs=exp.old_logprobs - 0.5 * mask, values=exp.values + 0.5 * mask)
     engine = torch.where(mask.bool(), exp.old_logprobs, torch.full_like(exp.old_logprobs, float("nan")))
-    shifted, _ = c.advantages(dataclasses.replace(scored, exp=shifted), engine)
+    shifted, _ = advantages(dataclasses.replace(scored, exp=shifted), c.p, c.kl_ctl.value, engine)
     # Forwards of each trained role's first decoder layer in train(): twice as many when backward recomputes them.
     out["layer_forwards_in_train"] = calls = {"actor": 0, "critic": 0}
     layers = {r: next(m for m in roles[r].modules() if type(m).__name__.endswith("DecoderLayer")) for r in calls}
@@ -510,7 +520,7 @@ def recomputation(role: str):
 micro_batches = report_part(
     "micro_batches", doc="(rows, packed) of each forward of each role in the experience phase."
 )
-sampling = report_part("evaluate", doc="PPOController.evaluate(): the engines sample the held-out prompts.")
+sampling = report_part("evaluate", doc="HeldOut.evaluate(): the engines sample the held-out prompts.")
 train_phase = report_part("train", doc="PPOController.train() on a fixed experience: the actor's and critic's fit.")
 
 

@@ -85,6 +85,12 @@ def _stage_trainer(cfg: PipelineConfig, stage: str, ctx: Any):
     return reward_model.RewardModelTrainer(ctx, [], [], section.margin)
 
 
+def build_rank_model(impl: Any, tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+    """The policy ``impl``'s rank builds: its own ``build_model`` (sft, reward_model), its preference step loop's
+    (dpo, kto: ``impl.trainer``)."""
+    return getattr(impl, "trainer", impl).build_model(tokenizer, dtype, attn)
+
+
 def rank_model(cfg: PipelineConfig, stage: str) -> Any:
     """The model a rank builds: setup_stage -> StageContext -> tokenizer, attention, dtype, trainer.build_model
     (the stage trainer's fit, step 1)."""
@@ -94,7 +100,7 @@ def rank_model(cfg: PipelineConfig, stage: str) -> Any:
         strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train)
         tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
-        return fingerprint(_stage_trainer(cfg, stage, ctx).build_model(tokenizer, strategy.dtype, attn))
+        return fingerprint(build_rank_model(_stage_trainer(cfg, stage, ctx), tokenizer, strategy.dtype, attn))
 
     return outcome(build)
 
@@ -105,7 +111,7 @@ def rank_lora(cfg: PipelineConfig, stage: str) -> Any:
     def build():
         ctx = common.setup_stage(cfg, stage).context()
         tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
-        return lora_report(_stage_trainer(cfg, stage, ctx).build_model(tokenizer, torch.float32, "sdpa"))
+        return lora_report(build_rank_model(_stage_trainer(cfg, stage, ctx), tokenizer, torch.float32, "sdpa"))
 
     return outcome(build)
 
@@ -117,7 +123,7 @@ def rank_export(cfg: PipelineConfig, stage: str) -> Any:
     def build():
         ctx = common.setup_stage(cfg, stage).context()
         tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
-        model = _stage_trainer(cfg, stage, ctx).build_model(tokenizer, torch.float32, "sdpa")
+        model = build_rank_model(_stage_trainer(cfg, stage, ctx), tokenizer, torch.float32, "sdpa")
         return export_files(model, tokenizer, ctx)
 
     return outcome(build)
@@ -236,7 +242,7 @@ def loss_forwards(cfg: PipelineConfig, stage: str) -> list[tuple[int, bool]]:
     whether the rows came packed: position_ids and no attention mask) of each."""
     impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
     tokenizer = load_tokenizer("builtin:tiny")
-    model = impl.build_model(tokenizer, torch.float32, "sdpa")
+    model = build_rank_model(impl, tokenizer, torch.float32, "sdpa")
     examples = sorted(_examples(cfg, stage, "train")[:16], key=lambda e: len(e.get("input_ids") or e["chosen_ids"]))
     calls: list[tuple[int, bool]] = []
     model.register_forward_pre_hook(forward_record(calls), with_kwargs=True)
@@ -253,7 +259,7 @@ def first_loss(cfg: PipelineConfig, stage: str) -> Any:
         return first_step_of(cfg, stage)
     impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
     tokenizer = load_tokenizer("builtin:tiny")
-    model = impl.build_model(tokenizer, torch.float32, "sdpa")
+    model = build_rank_model(impl, tokenizer, torch.float32, "sdpa")
     loss, metrics = impl.loss(model, impl.collate(_examples(cfg, stage, "train")[:4], tokenizer.pad_token_id))
     return {"loss": round(loss.item(), 6), "step_metrics": {k: round(v, 6) for k, v in metrics.items()}}
 
@@ -275,7 +281,7 @@ def pairwise_loss(cfg: PipelineConfig, stage: str) -> float:
     """RewardModelTrainer(margin).loss on four fixed preference pairs with a fixed tiny reward model."""
     impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
     tokenizer = load_tokenizer("builtin:tiny")
-    model = impl.build_model(tokenizer, torch.float32, "sdpa")
+    model = build_rank_model(impl, tokenizer, torch.float32, "sdpa")
     batch = impl.collate(_examples(cfg, stage, "train")[:4], tokenizer.pad_token_id)
     return round(impl.loss(model, batch)[0].item(), 6)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rlhf_core.jobs.async_rollout import AsyncRollout
+from rlhf_core.jobs.ppo.async_rollout import AsyncRollout
 
 pytestmark = pytest.mark.timeout(10)  # a deadlock fails here instead of hanging the suite
 

@@ -16,11 +16,13 @@ from rlhf_core.algos.logprob_gap import engine_logprob_tensor, rollout_logprob_g
 from rlhf_core.algos.ppo import KL_ESTIMATORS, approx_kl
 from rlhf_core.config import as_ppo, load_config
 from rlhf_core.distributed.cluster import LocalCluster, LocalWorkerGroup
-from rlhf_core.distributed.placement import RoleSet, needs_kl, resource_demand, role_workers
+from rlhf_core.distributed.placement import RoleSet, resource_demand, role_workers
 from rlhf_core.jobs import common, ppo
+from rlhf_core.jobs.ppo.controller import PPOController, PPOInputs
+from rlhf_core.jobs.ppo.evaluation import HeldOut
+from rlhf_core.jobs.ppo.experience import advantages
+from rlhf_core.jobs.ppo.old_logprobs import old_logprobs_source
 from rlhf_core.models.builders import load_tokenizer
-from rlhf_core.old_logprobs import old_logprobs_source
-from rlhf_core.ppo_eval import HeldOut
 from rlhf_core.rewards import RewardSources, Scored
 from rlhf_core.storage import ObjectStore
 from tests.conftest import TINY
@@ -51,15 +53,15 @@ def start(tmp_path):
     on a Recording cluster; shut down after the test."""
     made = []
 
-    def build(stage: str, *overrides: str) -> ppo.PPOController:
+    def build(stage: str, *overrides: str) -> PPOController:
         cfg = load_config(TINY, [f"run_uri={tmp_path / 'run'}", *overrides])
         p, train_actor = as_ppo(cfg.stage(stage)), cfg.kind(stage) == "ppo"
         models = dict.fromkeys(("actor", "critic", "reward", "reference"), MODEL)
         store, work = ObjectStore(str(tmp_path / "run")), str(tmp_path / "work")
         setup = common.StageSetup(stage, p, store, work, models, {}, "test", None, sources=dict(models), kind=stage)
         prompts = [{"prompt": f"prompt {i}", "prompt_ids": [5 + i, 6, 7]} for i in range(16)]
-        inputs = ppo.PPOInputs(load_tokenizer(MODEL), prompts, HeldOut([]), RewardSources(weights={"reward": 1.0}))
-        controller = ppo.PPOController(stage, p, setup, train_actor, RoleSet.of(p, train_actor), inputs, Recording())
+        inputs = PPOInputs(load_tokenizer(MODEL), prompts, HeldOut([]), RewardSources(weights={"reward": 1.0}))
+        controller = PPOController(stage, p, setup, train_actor, RoleSet.of(p, train_actor), inputs, Recording())
         made.append(controller)
         controller.start()
         return controller
@@ -76,7 +78,7 @@ def test_truncated_responses_are_scored_with_eos_and_penalised_before_the_clip(s
     prompts = [[5, 6, 7], [8, 9]]
     responses = [[20, 21, 22, 23], [24, 25, 26, 27, 28, 29], [30, 31, eos], [32, eos]]  # 2 per prompt: 2 cut
     timer = timing.PhaseTimer()
-    scored = controller.experience(prompts, responses, ["first", "second"], timer)
+    scored = controller.experience_maker().make(prompts, responses, ["first", "second"], timer)
     exp = scored.exp
     expanded = [p for p in prompts for _ in range(2)]
     # each role's forward is timed (in-process roles: their results are ready when their calls return)
@@ -105,7 +107,7 @@ def test_truncated_responses_are_scored_with_eos_and_penalised_before_the_clip(s
     normalised = controller.rewards.combine(scored.parts)
     torch.testing.assert_close(normalised, (exp.scores - mean) / (std + 1e-8))
     exp = dataclasses.replace(exp, scores=normalised)
-    out, logs = controller.advantages(Scored(exp, scored.parts))
+    out, logs = advantages(Scored(exp, scored.parts), controller.p, controller.kl_ctl.value)
     assert isinstance(out, Experience) and exp.advantages is None and out.advantages is not None
     expected = (normalised - truncated.float()).clamp(-1.2, 1.2)
     assert logs["reward"] == pytest.approx(expected.mean().item(), abs=1e-6)
@@ -123,7 +125,7 @@ def test_the_critic_warmups_frozen_actor_is_its_own_reference(start, tmp_path):
     warm-up steps (its actor trains after them)."""
     cfg = load_config(TINY, [f"run_uri={tmp_path}", "ppo.train.freeze_actor_steps=1"])
     warmup, stage = as_ppo(cfg.stage("critic_warmup")), cfg.stage("ppo")
-    assert warmup.reference.model is None and needs_kl(warmup.algo)
+    assert warmup.reference.model is None and warmup.algo.needs_kl
     frozen_roles, stage_roles = RoleSet.of(warmup, train_actor=False), RoleSet.of(stage, train_actor=True)
     assert not frozen_roles.reference and role_workers(warmup, frozen_roles)["reference"] == 0
     own = dataclasses.replace(warmup.reference, model=warmup.actor.model)
@@ -137,18 +139,18 @@ def test_the_critic_warmups_frozen_actor_is_its_own_reference(start, tmp_path):
     assert controller.reference is None and controller.ref_from_actor and controller.kl_ctl.value == 0.5
     eos = controller.eos_id
     responses = [[20, 21, eos], [22, 23, 24, 25], [26, eos], [27, 28, 29]]
-    scored = controller.experience([[5, 6, 7], [8, 9]], responses, ["first", "second"])
+    scored = controller.experience_maker().make([[5, 6, 7], [8, 9]], responses, ["first", "second"])
     exp = scored.exp
     assert exp.ref_logprobs is exp.old_logprobs
     for estimator in KL_ESTIMATORS:
         kl = approx_kl(exp.old_logprobs, exp.ref_logprobs, exp.action_mask, estimator)
         assert torch.equal(kl, torch.zeros_like(exp.old_logprobs)), estimator
-    out, logs = controller.advantages(scored)
+    out, logs = advantages(scored, controller.p, controller.kl_ctl.value)
     assert logs["kl"] == 0.0 and logs["kl_token_mean"] == 0.0
     controller.kl_ctl.load_state_dict(
         {"value": 0.0}
     )  # no penalty at all: the same advantages and returns, bit for bit
-    unpenalised, _ = controller.advantages(scored)
+    unpenalised, _ = advantages(scored, controller.p, controller.kl_ctl.value)
     assert torch.equal(out.advantages, unpenalised.advantages) and torch.equal(out.returns, unpenalised.returns)
 
 
@@ -186,9 +188,9 @@ def start_order(tmp_path, *overrides: str) -> list[str]:
         "ppo", p, ObjectStore(str(tmp_path / "run")), str(tmp_path), models, {}, "test", None, sources=dict(models)
     )
     prompts = [{"prompt": f"prompt {i}", "prompt_ids": [5 + i, 6, 7]} for i in range(16)]
-    inputs = ppo.PPOInputs(load_tokenizer(MODEL), prompts, HeldOut([]), RewardSources(weights={"reward": 1.0}))
+    inputs = PPOInputs(load_tokenizer(MODEL), prompts, HeldOut([]), RewardSources(weights={"reward": 1.0}))
     cluster = StartOrder()
-    controller = ppo.PPOController("ppo", p, setup, True, RoleSet.of(p, True), inputs, cluster)
+    controller = PPOController("ppo", p, setup, True, RoleSet.of(p, True), inputs, cluster)
     with pytest.raises(Stop):
         controller.start()
     controller.shutdown()
@@ -296,10 +298,10 @@ def test_a_batch_of_one_optimizer_step_runs_no_old_logprob_forward_and_trains_al
         module = actor.engine.module
         forwards: list[int] = []
         hook = module.register_forward_pre_hook(lambda *_, seen=forwards: seen.append(1))
-        scored = c.experience(prompts, responses, texts, timing.PhaseTimer(), old, engine)
+        scored = c.experience_maker().make(prompts, responses, texts, timing.PhaseTimer(), old, engine)
         hook.remove()
         calls = len(c.actor.seen)  # the shards the actor group was given, for the old-log-prob forward
-        exp, logs = c.advantages(scored, engine_logprob_tensor(scored.exp, engine))
+        exp, logs = advantages(scored, c.p, c.kl_ctl.value, engine_logprob_tensor(scored.exp, engine))
         logs.update(scored.logs)
         grads: dict[str, torch.Tensor] = {}
         hooks = [

@@ -1,17 +1,21 @@
-"""PPO stage: a single controller driving actor, critic, reward-model and reference Ray groups and rollout engines.
+"""The PPO controller and its loop: a single controller driving actor, critic, reward-model and reference Ray groups
+and rollout engines.
 
 After OpenRLHF: the actor starts from ``ppo.actor`` (usually ``stage:sft``), the critic from ``ppo.critic``
 (``stage:critic_warmup`` or ``stage:critic_init``); reward model and reference are frozen. Each step of ``fit``:
 
   1. rollout      the engines (vLLM, or HF generate) sample n responses per prompt, with each token's log-prob
-  2. experience   actor and reference log-probs, critic values, the summed reward sources (``RewardSources``)
+                  (``async_rollout``: on a thread ahead of the loop)
+  2. experience   actor and reference log-probs, critic values, the summed reward sources (``experience``; the old
+                  log-probs' source from ``old_logprobs``)
   3. advantages   penalised and clipped rewards, group shaping, token-level KL penalty, then GAE or returns
   4. PPO epochs   actor and critic together, each on its shards of the experience
   5. weight sync  the actor's new weights to the engines over a collective group (no disk)
   6. logging      the step's metrics with each phase's ``timing/<phase>_s``; every ``save_steps`` a checkpoint
 
-Critic-free estimators start no critic, a stage without ``reward`` no reward model, one without a KL no reference;
-the critic warm-up runs this loop, its actor frozen. Writes ``ppo/`` (policy), ``ppo/critic/``, ``ppo/metrics.json``.
+Before and after the loop the held-out evaluation (``evaluation``). Critic-free estimators start no critic, a stage
+without ``reward`` no reward model, one without a KL no reference (``roles``); the critic warm-up runs this loop, its
+actor frozen. Writes ``ppo/`` (policy), ``ppo/critic/``, ``ppo/metrics.json``.
 
     python -m rlhf_core.jobs.ppo --config deployments/configs/tiny.yaml
     python -m rlhf_core.jobs.ppo --config deployments/configs/tiny.yaml ppo.rollout.backend=hf ppo.train.max_steps=4
@@ -28,24 +32,11 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
-import torch
-
 from rlhf_core import curves, events, run_layout, timing
-from rlhf_core.algos.advantages import cumulative_returns, shape_scores, varied_groups
-from rlhf_core.algos.batching import ensure_eos, make_sequences
 from rlhf_core.algos.experience import Experience
-from rlhf_core.algos.is_correction import is_correction_setting, is_correction_weights
 from rlhf_core.algos.logprob_gap import engine_logprob_tensor, rollout_logprob_gap
-from rlhf_core.algos.losses import masked_mean
-from rlhf_core.algos.ppo import (
-    apply_missing_eos_penalty,
-    approx_kl,
-    clip_scores,
-    gae,
-    make_kl_controller,
-    token_rewards,
-)
-from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, TrainConfig, as_ppo
+from rlhf_core.algos.ppo import make_kl_controller
+from rlhf_core.config import ConfigError, PipelineConfig, PPOConfig, as_ppo
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed.actor import PolicyActor
@@ -58,7 +49,6 @@ from rlhf_core.distributed.placement import (
     actor_is_reference,
     check_fits,
     engine_kwargs,
-    needs_kl,
     resource_demand,
     role_models,
     role_workers,
@@ -70,11 +60,13 @@ from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext, TrainableRole
 from rlhf_core.distributed.rollout.engine import SamplingConfig
 from rlhf_core.jobs import common
-from rlhf_core.jobs.async_rollout import AsyncRollout, Rollout, rollout_logs
+from rlhf_core.jobs.ppo.async_rollout import AsyncRollout, Rollout, rollout_logs
+from rlhf_core.jobs.ppo.evaluation import HeldOut, probe_logprobs, summary_metrics
+from rlhf_core.jobs.ppo.experience import ExperienceMaker, advantages
+from rlhf_core.jobs.ppo.old_logprobs import old_logprobs_source
+from rlhf_core.jobs.ppo.roles import reference_group, reward_group, role_context
 from rlhf_core.models.builders import load_tokenizer, stop_ids
-from rlhf_core.old_logprobs import engine_old_logprobs, old_logprobs_source, probe_rows
-from rlhf_core.ppo_eval import HeldOut, summary_metrics
-from rlhf_core.rewards import SOURCE_LOGS, RewardSources, Scored
+from rlhf_core.rewards import RewardSources
 from rlhf_core.storage import ObjectStore
 from rlhf_core.tracking import Tracker
 from rlhf_core.types import CheckpointRef
@@ -89,11 +81,6 @@ KIND = "ppo"
 def plan_steps(p: PPOConfig, num_prompts: int) -> int:
     steps = num_prompts * p.train.num_episodes // p.train.rollout_batch_size
     return min(steps, p.train.max_steps) if p.train.max_steps is not None else steps
-
-
-def optimizer_steps(p: PPOConfig, ppo_steps: int) -> int:
-    samples = p.train.rollout_batch_size * p.rollout.n_samples_per_prompt
-    return ppo_steps * samples // p.train.train_batch_size * p.algo.ppo_epochs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -159,7 +146,7 @@ class PPOController:
         self.rewards.check([e["prompt"] for e in self.prompts[:2]])  # before any worker starts
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
         # The critic warm-up's frozen actor is its own reference: its old log-probs are the reference's (no group).
-        self.ref_from_actor = needs_kl(p.algo) and actor_is_reference(p, train_actor)
+        self.ref_from_actor = p.algo.needs_kl and actor_is_reference(p, train_actor)
         self.device = ""  # where the roles run: decided by the cluster in start()
         # PPO steps in which the actor trains: its LR schedule spans only those (the frozen warm-up steps do not
         # count, so a decaying schedule completes on the last step).
@@ -177,45 +164,9 @@ class PPOController:
 
     # -- start: the roles and engines, placed by the plan -------------------------------------------------------------
     def role_context(self, role: str) -> RoleContext:
-        """What the trained role ``role`` ("actor" or "critic") gets on its ranks: its model (and LoRA adapters),
-        strategy and optimizer, and the stage's batch, algorithm and run settings."""
-        p, train = self.p, self.p.train
-        section = p.actor if role == "actor" else p.critic
-        model = section.model
-        assert model is not None, f"{self.stage}: no {role} model"
-        own: dict[str, Any] = (
-            dict(
-                total_optimizer_steps=optimizer_steps(p, self.actor_ppo_steps),
-                max_new_tokens=p.rollout.max_new_tokens,
-                trains=self.train_actor,
-            )
-            if role == "actor"
-            else dict(total_optimizer_steps=optimizer_steps(p, self.steps), reward_stats=self.rewards.stats)
-        )
-        return RoleContext(
-            role=role,
-            model_path=self.setup.sources[role],
-            tokenizer_path=model.tokenizer,
-            init_seed=model.init_seed,
-            trust_remote_code=model.trust_remote_code,
-            lora=model.lora,
-            aux_loss_coef=model.aux_loss_coef,
-            strategy=section.strategy,
-            optim=section.optim,
-            stage=self.stage,
-            micro_rollout_batch_size=train.micro_rollout_batch_size,
-            algo=p.algo,
-            seed=train.seed,
-            run_uri=self.store.root_uri,
-            storage_options=self.store.fs.storage_options,
-            work_dir=self.setup.work,
-            batch=TrainConfig(
-                train_batch_size=train.train_batch_size, micro_train_batch_size=train.micro_train_batch_size
-            ),
-            temperature=p.rollout.temperature,
-            max_tokens_per_micro_batch=train.max_tokens_per_micro_batch if train.dynamic_batch else None,
-            **own,
-        )
+        """The context of the trained role ``role`` ("actor" or "critic") for this stage's plan of steps."""
+        steps, actor_steps, stats = self.steps, self.actor_ppo_steps, self.rewards.stats
+        return role_context(self.stage, self.p, self.setup, role, self.train_actor, steps, actor_steps, stats)
 
     def start(self) -> None:
         p, train, roles, sources, cluster = self.p, self.p.train, self.roles, self.setup.sources, self.cluster
@@ -263,46 +214,13 @@ class PPOController:
         if roles.critic:  # critic-free estimators (REINFORCE++, GRPO, RLOO, ...) start no critic
             critic_ctx = self.role_context("critic")
             self.critic = cluster.group(plan.roles["critic"].strategy, CriticActor, critic_ctx, **placed("critic"))
-        # The frozen roles (forwards only); frozen.zero_stage 3: one ZeRO-3 copy over the workers. They take the
-        # actor's packing and attention kernel, so reference and actor log-probs come from the same kernel.
-        micro, precision = train.micro_rollout_batch_size, p.actor.strategy.precision
-        frozen = dict(
-            zero_stage=p.frozen.zero_stage,
-            offload=p.frozen.offload,
-            packing=p.actor.strategy.packing,
-            attn=p.actor.strategy.attn_implementation,
-        )
-        if roles.reward_model:  # rewards from a function or a server only: no reward-model workers
-            rm = p.reward.model
-            self.reward = cluster.group(
-                plan.roles["reward"].strategy,
-                RewardScorer,
-                sources["reward"],
-                micro,
-                precision,
-                tokenizer_path=rm.tokenizer,
-                init_seed=rm.init_seed,
-                trust_remote_code=rm.trust_remote_code,
-                **frozen,
-                **placed("reward"),
-            )
+        # The frozen roles (forwards only): the reward model (rewards from a function or a server only: no workers)
+        # and the reference.
+        if roles.reward_model:
+            self.reward = reward_group(cluster, p, plan.roles["reward"].strategy, sources["reward"], placed("reward"))
         if roles.reference:
-            ref = (
-                p.reference.model or p.actor.model
-            )  # default: the actor's starting model, with the actor's model keys
-            self.reference = cluster.group(
-                plan.roles["reference"].strategy,
-                ReferencePolicy,
-                sources["reference"],
-                micro,
-                precision,
-                ref.init_seed,
-                temperature=p.rollout.temperature,
-                tokenizer_path=ref.tokenizer,
-                trust_remote_code=ref.trust_remote_code,
-                **frozen,
-                **placed("reference"),
-            )
+            strategy = plan.roles["reference"].strategy
+            self.reference = reference_group(cluster, p, strategy, sources["reference"], placed("reference"))
         setups = self.actor.call_async(PolicyActor.setup)
         setups += self.critic.call_async(CriticActor.setup) if self.critic is not None else []
         cluster.wait(setups)
@@ -328,151 +246,25 @@ class PPOController:
             self.started = False
             self.cluster.stop()
 
-    # -- experience ---------------------------------------------------------------------------------------------------
-    def experience(
-        self,
-        prompt_ids: list[list[int]],
-        responses: list[list[int]],
-        prompts: list,
-        timer: timing.PhaseTimer | None = None,
-        old: str = "forward",
-        engine_logprobs: list[list[float]] | None = None,
-    ) -> Scored:
-        """Old and reference log-probs, values (with a critic) and the summed reward sources, the roles concurrently
-        on their shards while the driver calls the reward function and server. The reward model scores prompt +
-        response + EOS where a response was cut (``ensure_eos``), as it was trained. ``timer``: each role's seconds
-        from the first dispatch to its last result, as ``experience_<role>``. ``old``: where the old log-probs come
-        from (``rlhf_core.old_logprobs``); ``engine_logprobs``: the engines' per-response log-probs."""
+    # -- experience: what phase 2 and the evaluations call ------------------------------------------------------------
+    def experience_maker(self) -> ExperienceMaker:
+        """The experience phase on the role groups as they are now (started, or set by hand)."""
         assert self.actor is not None
-        n = len(responses) // len(prompt_ids)
-        expanded = [ids for ids in prompt_ids for _ in range(n)]
-        seq = make_sequences(expanded, responses, self.pad_id)
-        closed, truncated = ensure_eos(responses, self.eos_id, self.stop_ids)
-        engine_lp = engine_logprob_tensor(seq, engine_logprobs) if engine_logprobs is not None else None
-        assert old == "forward" or engine_lp is not None, f"old log-probs from {old} need the engines' log-probs"
-        started = time.perf_counter()
-        shards, refs = seq.shard(len(self.actor)), {}
-        if old == "engine":  # the actor scores the first micro-batch of each rank's shard: the gap's probe
-            shards = [s.split(self.p.train.micro_rollout_batch_size)[0] for s in shards]
-        if old != "training":
-            refs["actor"] = self.actor.call_each_async(PolicyActor.logprobs, shards)
-        if self.reference is not None:
-            refs["reference"] = self.reference.call_each_async(
-                ReferencePolicy.logprobs, seq.shard(len(self.reference))
-            )
-        if self.critic is not None:
-            refs["critic"] = self.critic.call_each_async(CriticActor.values, seq.shard(len(self.critic)))
-        if self.reward is not None:
-            scored = make_sequences(expanded, closed, self.pad_id)
-            refs["reward"] = self.reward.call_each_async(RewardScorer.scores, scored.shard(len(self.reward)))
-        raw = [pr for pr in prompts for _ in range(n)]
-        parts, keep = self.rewards.score_on_driver(self.tokenizer, raw, responses, timer)
-        out, seconds = self.cluster.wait_timed(refs, started)
-        if timer is not None:
-            for role, sec in seconds.items():
-                timer.add(f"experience_{role}", sec)
-        if "reward" in out:
-            parts["reward"] = torch.cat(out["reward"])
-        old_logprobs, logs = self.old_logprobs(seq, old, engine_lp, out.get("actor"), timer)
-        ref_logprobs = torch.cat(out["reference"]) if "reference" in out else None
-        if ref_logprobs is None and self.ref_from_actor:
-            ref_logprobs = old_logprobs
-        exp = Experience.from_sequences(
-            seq,
-            old_logprobs=old_logprobs,
-            scores=self.rewards.combine(parts),
-            values=torch.cat(out["critic"]) if "critic" in out else None,
-            ref_logprobs=ref_logprobs,
-            truncated=truncated,
-            rollout_logprobs=engine_lp if old_logprobs is None else None,
+        return ExperienceMaker(
+            self.stage,
+            self.p,
+            self.actor,
+            self.critic,
+            self.reward,
+            self.reference,
+            self.cluster,
+            self.rewards,
+            self.tokenizer,
+            self.pad_id,
+            self.eos_id,
+            self.stop_ids,
+            self.ref_from_actor,
         )
-        return Scored(exp, parts, keep, logs)
-
-    def old_logprobs(
-        self,
-        seq: Any,
-        old: str,
-        engine_lp: torch.Tensor | None,
-        actor_out: list[torch.Tensor] | None,
-        timer: timing.PhaseTimer | None,
-    ) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """The old log-probs (B, T-1) from ``old`` (``rlhf_core.old_logprobs``; None: "training") and their metrics:
-        ``old_logprob_forward_rows`` (rows the actor's experience forward scored), ``old_logprobs_engine`` (1: the
-        engines' are the old ones). A fallen-back "engine" step's whole forward counts in ``experience_actor``."""
-        if old == "training":
-            return None, {"old_logprob_forward_rows": 0.0, "old_logprobs_engine": 0.0}
-        assert self.actor is not None and actor_out is not None
-        if old == "engine":
-            assert engine_lp is not None
-            probed = probe_rows(seq.size, len(self.actor), self.p.train.micro_rollout_batch_size)
-            bound = self.p.algo.rollout_logprobs_max_diff
-            engine_old, logs, why = engine_old_logprobs(seq, engine_lp, probed, torch.cat(actor_out), bound)
-            if engine_old is not None:
-                return engine_old, {**logs, "old_logprob_forward_rows": float(len(probed)), "old_logprobs_engine": 1.0}
-            print(f"[{self.stage}] {why}: the actor's forward gives this step's old log-probs", flush=True)
-            started = time.perf_counter()
-            actor_out = self.actor.call_each(PolicyActor.logprobs, seq.shard(len(self.actor)))
-            if timer is not None:
-                timer.add("experience_actor", time.perf_counter() - started)
-        return torch.cat(actor_out), {"old_logprob_forward_rows": float(seq.size), "old_logprobs_engine": 0.0}
-
-    # -- advantages ---------------------------------------------------------------------------------------------------
-    def advantages(
-        self, scored: Scored, engine_logprobs: torch.Tensor | None = None
-    ) -> tuple[Experience, dict[str, float]]:
-        """Rewards -> penalties and clip -> group shaping -> token rewards (KL penalty with kl_mode=reward) -> GAE,
-        or the returns (critic-free: the advantage is the return). Samples dropped by the reward function's ``keep``
-        or ``algo.dynamic_filter`` lose their action tokens. ``engine_logprobs``: (B, T-1) the engines' log-probs
-        (NaN where none), for the off-policy correction's weights (``algo.is_correction``, ``is_correction_cap``)."""
-        algo, exp = self.p.algo, scored.exp
-        # Missing-EOS penalty after normalisation and before clipping, as OpenRLHF adds its length penalties (DAPO
-        # overlong, ProRL stop-properly) to the normalised reward before compute_reward clamps it.
-        scores = exp.scores
-        if exp.truncated is not None:
-            scores = apply_missing_eos_penalty(scores, exp.truncated, algo.missing_eos_penalty)
-        scores = clip_scores(scores, *algo.reward_clip)
-        n = self.p.rollout.n_samples_per_prompt
-        keep = scored.keep if scored.keep is not None else torch.ones(exp.size, dtype=torch.bool)
-        if algo.dynamic_filter:
-            keep = keep & varied_groups(scores, n)
-        mask = exp.action_mask
-        # (B, T-1) KL to the reference on the action tokens; 0 without reference log-probs (no KL), or without old
-        # log-probs (the actor measures it in its training forward; such a step has no KL in its rewards)
-        if exp.ref_logprobs is None or exp.old_logprobs is None:
-            kl = torch.zeros(mask.shape)
-        else:
-            kl = approx_kl(exp.old_logprobs, exp.ref_logprobs, mask, algo.kl_estimator)
-        penalty = self.kl_ctl.value if algo.kl_mode == "reward" else 0.0
-        rewards = token_rewards(shape_scores(scores, n, algo.advantage_estimator), kl, mask, penalty)
-        if algo.advantage_estimator == "gae":
-            assert exp.values is not None, "gae needs the critic's values"
-            exp = exp.with_advantages(*gae(rewards, exp.values, mask, algo.gamma, algo.lam))
-        else:
-            returns = cumulative_returns(rewards, mask, algo.gamma)
-            exp = exp.with_advantages(returns, returns)
-        is_logs: dict[str, float] = {}
-        correction = is_correction_setting(algo.is_correction, algo.is_correction_threshold, algo.is_correction_cap)
-        # without old log-probs the actor weighs its loss from its training forward's log-probs
-        if correction is not None and engine_logprobs is not None and exp.old_logprobs is not None:
-            weights, is_logs = is_correction_weights(exp.old_logprobs, engine_logprobs, mask, *correction)
-            exp = dataclasses.replace(exp, is_weights=weights)
-        if not bool(keep.all()):
-            exp = dataclasses.replace(exp, action_mask=mask * keep.unsqueeze(1).to(mask.dtype))
-        truncated = exp.truncated if exp.truncated is not None else torch.zeros(exp.size, dtype=torch.bool)
-        logs = {
-            "reward": scores.mean().item(),
-            **{SOURCE_LOGS[key]: part.mean().item() for key, part in scored.parts.items()},
-            "kl": (kl * mask).sum(1).mean().item(),  # per-sequence sum, mean over the batch
-            # OpenRLHF's units (what the adaptive controller reads): each sequence's token mean, mean over the batch
-            "kl_token_mean": masked_mean(kl, mask, dim=1).mean().item(),
-            "response_len": mask.sum(1).float().mean().item(),
-            "truncated_frac": truncated.float().mean().item(),
-            "kl_coef": self.kl_ctl.value,
-            **is_logs,
-        }
-        if algo.dynamic_filter or scored.keep is not None:
-            logs["filtered_frac"] = 1.0 - keep.float().mean().item()
-        return exp, logs
 
     # -- train --------------------------------------------------------------------------------------------------------
     def train(
@@ -481,7 +273,7 @@ class PPOController:
         """The PPO epochs of critic (when there is one) and actor (unless ``actor_frozen``), concurrently; rank 0's
         stats and the learning rates. ``timer``: each group's seconds as ``critic_train`` and ``actor_train``."""
         assert self.actor is not None
-        if self.p.algo.kl_mode != "loss":
+        if not self.p.algo.kl_in_loss:
             exp = dataclasses.replace(exp, ref_logprobs=None)  # the trained roles do not read it
         started = time.perf_counter()
         refs = {}
@@ -541,28 +333,6 @@ class PPOController:
         finally:
             self.engines.sleep()
             self.move_training_states(offload=False)
-
-    def probe_logprobs(self) -> tuple[list[float], list[float]]:
-        """Log-probs of one fixed sequence from the first engine and from the actor (rank 0's copy), both of the raw
-        logits (temperature 1: the engines' prompt log-probs do not see the sampling temperature)."""
-        assert self.actor is not None
-        text = "The garden is calm and lovely today."
-        probe = self.prompts[0]["prompt_ids"] + self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        engine_lp = self.engines.sequence_logprobs(probe)
-        rows = len(self.actor)
-        # every token after the first is scored (the actor's log-probs cover the action tokens)
-        batch = make_sequences([probe[:1]] * rows, [probe[1:]] * rows, self.pad_id)
-        actor_lp = self.actor.call_each(PolicyActor.logprobs, batch.shard(rows), 1.0)[0][0].tolist()
-        return engine_lp, actor_lp
-
-    # -- evaluation ---------------------------------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, float]:
-        """One sampled response per held-out prompt (a fixed seed: before and after alike), scored as in training."""
-        if not self.held_out.examples:
-            return {}
-        responses = self.engines.generate(self.held_out.prompt_ids, self.held_out.sampling(self.p))
-        scored = self.experience(*self.held_out.batch(responses, row_multiple(self.p, self.roles)))
-        return self.held_out.metrics(scored.exp, scored.parts, responses, self.tokenizer)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict) -> None:
@@ -648,12 +418,14 @@ class PPOController:
             if self.train_actor:
                 self.push_weights()  # the engines start from the initial policy: give them the checkpointed one
         resumed_from = state["step"]
+        maker, multiple = self.experience_maker(), row_multiple(self.p, self.roles)
+        probe_ids = self.prompts[0]["prompt_ids"]
         eval_before_s = 0.0  # the evaluation before training, within the start-up (none on a resume: it is saved)
         with self.engines_awake():
-            engine_lp_start, _ = self.probe_logprobs()
+            engine_lp_start, _ = probe_logprobs(self.engines, maker.actor, probe_ids, self.tokenizer, self.pad_id)
             if state["before"] is None:
                 t0 = time.perf_counter()
-                state["before"] = self.evaluate()
+                state["before"] = self.held_out.evaluate(self.engines, maker, multiple)
                 eval_before_s = time.perf_counter() - t0
                 print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
 
@@ -681,11 +453,11 @@ class PPOController:
             actor_frozen = not self.train_actor or step < train.freeze_actor_steps
             old = old_logprobs_source(self.p, actor_frozen, self.ref_from_actor)
             with timer.phase("experience"):
-                scored = self.experience(prompt_ids, responses, prompts, timer, old, engine_logprobs)
+                scored = maker.make(prompt_ids, responses, prompts, timer, old, engine_logprobs)
             # 3. rewards (sources summed, penalties, group shaping, KL penalty) and advantages (GAE or returns)
             with timer.phase("advantages"):
                 engine_lp = engine_logprob_tensor(scored.exp, engine_logprobs)
-                exp, logs = self.advantages(scored, engine_lp)
+                exp, logs = advantages(scored, self.p, self.kl_ctl.value, engine_lp)
                 logs.update(scored.logs)
                 # The engines were synced after the last update: they sampled from the policy the actor now scores.
                 # (Old log-probs from the training forward: the actor measures it; the engines': the probe did.)
@@ -726,9 +498,12 @@ class PPOController:
                 fail_if_injected(fail_after, step + 1)
 
         with self.engines_awake():
-            after = self.evaluate()
+            after = self.held_out.evaluate(self.engines, maker, multiple)
             # Proof of the weight sync: the engines now compute what the trained actor computes.
-            probes = (*self.probe_logprobs(), engine_lp_start)
+            probes = (
+                *probe_logprobs(self.engines, maker.actor, probe_ids, self.tokenizer, self.pad_id),
+                engine_lp_start,
+            )
         print(f"[{stage}] after: {_fmt(after)}", flush=True)
         metrics: dict[str, Any] = {
             "steps": self.steps,
@@ -796,5 +571,6 @@ def run(
     return CheckpointRef(store.uri(stage), stage, metrics["steps"], config_hash, metrics)
 
 
-if __name__ == "__main__":
-    common.main(KIND, run)
+def main(argv: list[str] | None = None) -> None:
+    """``python -m rlhf_core.jobs.ppo``: the stage under its lease (``jobs.common.main``)."""
+    common.main(KIND, run, argv)

@@ -27,6 +27,8 @@ batches in the same order as an uninterrupted one, though not the same samples: 
 batch depends on timing, as it does in an uninterrupted async run.
 """
 
+from __future__ import annotations
+
 import functools
 import queue
 import threading
@@ -42,7 +44,7 @@ B = TypeVar("B")
 Rollout = tuple[list[list[int]], list[list[float]], list[list[int]] | None]
 
 
-def rollout_logs(record: "BatchRecord", versions: list[list[int]] | None) -> dict[str, float]:
+def rollout_logs(record: BatchRecord, versions: list[list[int]] | None) -> dict[str, float]:
     """A step's async rollout as logged: the weight updates it lagged when it trained (``rollout_staleness``), the
     seconds the generator took to make it (``rollout_generate_s``; the step's ``timing/generation_s`` is only the
     part it waited for), the updates that came while it was generated (``rollout_version_span``: 0 but with partial
@@ -103,7 +105,7 @@ class AsyncRollout(Generic[B]):
         self._thread: threading.Thread | None = None
         self._updated = True  # whether the batch in training has had its weight update
 
-    def __enter__(self) -> "AsyncRollout[B]":
+    def __enter__(self) -> AsyncRollout[B]:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,9 +2,10 @@
 
 One sampled response per held-out prompt (``train.eval_prompts`` rows of ``data.eval_path``), scored like the
 training's experience: each reward source's mean, the KL to the reference and, with ``train.gold_reward``, the task's
-gold reward. ``PPOController.evaluate`` samples and runs the roles; this module holds the prompts and the gold
-function, pads the batch for the roles and turns the scored batch into metrics. ``summary_metrics`` sums up the step
-history and both evaluations for the stage's final metrics.
+gold reward. ``HeldOut.evaluate`` samples on the engines and scores through the experience phase
+(``ExperienceMaker``), its batch padded for the roles, and turns the scored batch into metrics. ``probe_logprobs``
+gives the weight sync's proof, one fixed sequence scored by the engines and the actor, and ``summary_metrics`` sums
+up the step history, both evaluations and the probes for the stage's final metrics.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ from typing import Any
 import torch
 
 from rlhf_core import timing
+from rlhf_core.algos.batching import make_sequences
 from rlhf_core.algos.experience import Experience
 from rlhf_core.algos.ppo import approx_kl
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.examples import prompt_examples
+from rlhf_core.distributed.actor import PolicyActor
+from rlhf_core.distributed.cluster import WorkerGroup
 from rlhf_core.distributed.rollout.engine import SamplingConfig
+from rlhf_core.jobs.ppo.experience import ExperienceMaker
 from rlhf_core.rewards import SOURCE_LOGS, load_gold
 
 
@@ -79,6 +84,31 @@ class HeldOut:
             prompts = [e["prompt"] if isinstance(e["prompt"], str) else json.dumps(e["prompt"]) for e in self.examples]
             out["gold_reward"] = sum(self.gold(pr, tx) for pr, tx in zip(prompts, texts)) / count
         return out
+
+    def evaluate(self, engines: Any, maker: ExperienceMaker, multiple: int) -> dict[str, float]:
+        """One sampled response per held-out prompt (a fixed seed: before and after alike), scored as in training;
+        ``multiple``: the rows every role can split the batch by (``placement.row_multiple``)."""
+        if not self.examples:
+            return {}
+        responses = engines.generate(self.prompt_ids, self.sampling(maker.p))
+        scored = maker.make(*self.batch(responses, multiple))
+        return self.metrics(scored.exp, scored.parts, responses, maker.tokenizer)
+
+
+def probe_logprobs(
+    engines: Any, actor: WorkerGroup[PolicyActor], prompt_ids: list[int], tokenizer: Any, pad_id: int
+) -> tuple[list[float], list[float]]:
+    """Log-probs of one fixed sequence (``prompt_ids``, then a fixed text) from the first engine and from the actor
+    (rank 0's copy), both of the raw logits (temperature 1: the engines' prompt log-probs do not see the sampling
+    temperature)."""
+    text = "The garden is calm and lovely today."
+    probe = prompt_ids + tokenizer(text, add_special_tokens=False)["input_ids"]
+    engine_lp = engines.sequence_logprobs(probe)
+    rows = len(actor)
+    # every token after the first is scored (the actor's log-probs cover the action tokens)
+    batch = make_sequences([probe[:1]] * rows, [probe[1:]] * rows, pad_id)
+    actor_lp = actor.call_each(PolicyActor.logprobs, batch.shard(rows), 1.0)[0][0].tolist()
+    return engine_lp, actor_lp
 
 
 def summary_metrics(

@@ -4,8 +4,8 @@
 do not change between the experience phase and that one training forward, so the training forward's log-probs,
 detached, are the ones the actor's forward would have given, exactly: the ratio is 1 and the gradient PPO's at
 ratio 1. The experience phase runs no actor forward, and the actor measures
-what the controller would have from them (``PolicyActor.fit``). With a KL penalty in the rewards (``algo.kl_mode``
-reward) the rewards and advantages need them before training, so the forward stays.
+what the controller would have from them (``PolicyActor.fit``). With a KL penalty in the rewards
+(``algo.kl_in_reward``) the rewards and advantages need them before training, so the forward stays.
 
 "engine" (``algo.use_rollout_logprobs``, a batch of several optimizer steps): the engines' log-probs are the old ones.
 The actor scores only the first micro-batch of each rank's shard; its largest gap to the engines decides: above
@@ -13,16 +13,23 @@ The actor scores only the first micro-batch of each rank's shard; its largest ga
 all. The probe is a sample: a token outside it may differ more.
 
 "forward": the actor's experience forward, as before.
+
+``old_logprobs`` takes the step's old log-probs from the source decided, with the actor's forward after all where
+"engine" falls back.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from rlhf_core import timing
 from rlhf_core.algos.experience import Experience, SequenceBatch
 from rlhf_core.algos.logprob_gap import rollout_logprob_gap
 from rlhf_core.config import PPOConfig
-from rlhf_core.distributed.placement import needs_kl
+from rlhf_core.distributed.actor import PolicyActor
+from rlhf_core.distributed.cluster import WorkerGroup
 
 
 def old_logprobs_source(p: PPOConfig, actor_frozen: bool, ref_from_actor: bool) -> str:
@@ -32,8 +39,7 @@ def old_logprobs_source(p: PPOConfig, actor_frozen: bool, ref_from_actor: bool) 
     one_step = (
         a.ppo_epochs == 1 and p.train.train_batch_size == p.train.rollout_batch_size * p.rollout.n_samples_per_prompt
     )
-    reward_kl = needs_kl(a) and a.kl_mode == "reward"
-    if not actor_frozen and one_step and not reward_kl and not ref_from_actor:
+    if not actor_frozen and one_step and not a.kl_in_reward and not ref_from_actor:
         return "training"
     return "engine" if a.use_rollout_logprobs else "forward"
 
@@ -66,3 +72,35 @@ def engine_old_logprobs(
     if gap > bound:
         return None, logs, f"rollout_logprob_max_diff {gap:.4f} > algo.rollout_logprobs_max_diff {bound}"
     return torch.where(mask, engine_lp, torch.zeros_like(engine_lp)), logs, ""
+
+
+def old_logprobs(
+    stage: str,
+    p: PPOConfig,
+    actor: WorkerGroup[PolicyActor],
+    seq: SequenceBatch,
+    old: str,
+    engine_lp: torch.Tensor | None,
+    actor_out: list[torch.Tensor] | None,
+    timer: timing.PhaseTimer | None,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The old log-probs (B, T-1) from ``old`` (``old_logprobs_source``; None: "training") and their metrics:
+    ``old_logprob_forward_rows`` (rows the actor's experience forward scored), ``old_logprobs_engine`` (1: the
+    engines' are the old ones). ``actor_out``: the experience forward's per-rank log-probs (the probe's, for
+    "engine"). A fallen-back "engine" step's whole forward counts in ``experience_actor``."""
+    if old == "training":
+        return None, {"old_logprob_forward_rows": 0.0, "old_logprobs_engine": 0.0}
+    assert actor_out is not None
+    if old == "engine":
+        assert engine_lp is not None
+        probed = probe_rows(seq.size, len(actor), p.train.micro_rollout_batch_size)
+        bound = p.algo.rollout_logprobs_max_diff
+        engine_old, logs, why = engine_old_logprobs(seq, engine_lp, probed, torch.cat(actor_out), bound)
+        if engine_old is not None:
+            return engine_old, {**logs, "old_logprob_forward_rows": float(len(probed)), "old_logprobs_engine": 1.0}
+        print(f"[{stage}] {why}: the actor's forward gives this step's old log-probs", flush=True)
+        started = time.perf_counter()
+        actor_out = actor.call_each(PolicyActor.logprobs, seq.shard(len(actor)))
+        if timer is not None:
+            timer.add("experience_actor", time.perf_counter() - started)
+    return torch.cat(actor_out), {"old_logprob_forward_rows": float(seq.size), "old_logprobs_engine": 0.0}
