@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from rlhf_core.config import load_config
     from rlhf_core.distributed.launcher import one_ray
-    from rlhf_core.jobs.common import ray_cpus
+    from rlhf_core.jobs.stage_setup import ray_cpus
 
     root = Path(args.root).resolve() if args.root else Path(tempfile.mkdtemp(prefix="bench-quality-"))
     os.chdir(ROOT)  # the presets name the bundled data relative to the repository root

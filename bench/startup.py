@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, dict[str, list[StageTiming]]] = {side: {stage: [] for stage in order} for side in sides}
     with contextlib.ExitStack() as heads:
         for side in args.shared_ray:  # one Ray for all of this side's jobs, started before them (the flow's way)
-            from rlhf_core.jobs.common import ray_cpus
+            from rlhf_core.jobs.stage_setup import ray_cpus
             from tasks.launch import HEAD_ENV, ray_head
 
             cpus = max((c for c in (ray_cpus(cfg.stage(n)) for n in order) if c is not None), default=1)

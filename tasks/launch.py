@@ -30,7 +30,7 @@ from pathlib import Path
 from rlhf_core import run_layout
 from rlhf_core.config import PipelineConfig
 from rlhf_core.events import EVENTS_ENV, read_new
-from rlhf_core.jobs.common import ORCHESTRATOR_ENV
+from rlhf_core.jobs.process import ORCHESTRATOR_ENV
 from rlhf_core.ports import free_port
 from rlhf_core.storage import ObjectStore
 from tasks._procs import GUARD_HEAD, kill_tree, stop_head
@@ -147,7 +147,7 @@ def shared_ray(cfg: PipelineConfig, stages: list[str]) -> Iterator[str | None]:
     job would give its own local Ray), whose address every job launched inside gets (``RAY_ADDRESS``, so
     ``launcher.init_ray`` connects instead of starting a Ray: seconds per stage). Yields the address; None, with
     nothing started, when ``RAY_ADDRESS`` is set already (the jobs join that cluster) or no stage uses Ray."""
-    from rlhf_core.jobs.common import ray_cpus
+    from rlhf_core.jobs.stage_setup import ray_cpus
 
     cpus = [c for c in (ray_cpus(cfg.stage(name)) for name in stages) if c is not None]
     if os.environ.get("RAY_ADDRESS") or not cpus:

@@ -201,7 +201,7 @@ def test_flows_import_nothing_from_the_jobs():
 
 
 def _steps(chain: list[tuple[str, str | None]]) -> str:
-    """``tasks.stages.open_store = rlhf_core.jobs.common.open_store``: a name and what it re-exports."""
+    """``tasks.stages.open_store = rlhf_core.jobs.process.open_store``: a name and what it re-exports."""
     return " = ".join(module if name is None else f"{module}.{name}" for module, name in chain)
 
 

@@ -41,7 +41,7 @@ def test_resource_check_accepts_the_claimed_gpus_and_refuses_fewer(name):
     gpus, cpus = PRESETS[name]
     cfg = load_config(CONFIGS / f"{name}.yaml")
     for stage in RL_STAGES:
-        p = as_ppo(cfg.stage(stage))  # the warm-up's section run as PPO's, as its job and jobs.common.ray_cpus do
+        p = as_ppo(cfg.stage(stage))  # the warm-up's section run as PPO's, as its job and jobs.stage_setup.ray_cpus do
         roles = RoleSet.of(p)
         assert resource_demand(p, roles, "cuda")["GPU"] == gpus
         check_fits(stage, p, roles, "cuda", {"CPU": cpus, "GPU": gpus})

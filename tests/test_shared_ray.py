@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from rlhf_core.config import load_config
-from rlhf_core.jobs.common import ray_cpus
+from rlhf_core.jobs.stage_setup import ray_cpus
 from tasks.launch import _HEADS, HEAD_ENV, shared_ray
 from tests.conftest import ROOT, TINY
 

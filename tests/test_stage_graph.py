@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from rlhf_core.config import STAGE_KINDS, ConfigError, load_config, to_yaml
-from rlhf_core.jobs.common import stage_of_kind
+from rlhf_core.jobs.process import stage_of_kind
 from tasks.stages import expected_hash
 from tests.conftest import ROOT, TINY
 

@@ -14,7 +14,7 @@ from rlhf_core.config import StrategyConfig, as_ppo, load_config
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.placement import RoleSet, resource_demand
 from rlhf_core.distributed.rollout.vllm_engine import cpu_kv_cache_bytes
-from rlhf_core.jobs.common import ray_cpus
+from rlhf_core.jobs.stage_setup import ray_cpus
 from tests.conftest import ROOT, TINY
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_core import tracking
 from rlhf_core.config import ConfigError, load_config, stage_hash, to_yaml
-from rlhf_core.jobs import common
+from rlhf_core.jobs import stage_setup
 from rlhf_core.run_layout import open_store
 from rlhf_core.storage import ObjectStore
 from tests.conftest import TINY
@@ -125,7 +125,7 @@ def test_a_tracker_without_its_package_is_refused_before_any_worker(tmp_path, mo
         match=rf"'tracking.{key}' is set but the {package} package is not installed: "
         rf"pip install {package}",
     ):
-        common.setup_stage(cfg, "sft")
+        stage_setup.setup_stage(cfg, "sft")
 
 
 def test_wandb_online_needs_the_key_in_the_environment(tmp_path, monkeypatch):

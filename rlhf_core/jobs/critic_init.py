@@ -17,7 +17,7 @@ import torch
 
 from rlhf_core.config import ConfigError, PipelineConfig
 from rlhf_core.distributed.cluster import Cluster
-from rlhf_core.jobs import common
+from rlhf_core.jobs import process, stage_setup
 from rlhf_core.models.builders import load_tokenizer
 from rlhf_core.types import CheckpointRef
 
@@ -29,7 +29,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     # 1. the reward model, verified
-    st = common.setup_stage(cfg, stage)
+    st = stage_setup.setup_stage(cfg, stage)
     if st.done is not None:
         return st.done
     section, store, work, rm_path = st.section, st.store, st.work, st.model_path
@@ -65,4 +65,4 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
 
 
 if __name__ == "__main__":
-    common.main(KIND, run)
+    process.main(KIND, run)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.distributed.cluster import Cluster
-from rlhf_core.jobs import common, ppo
+from rlhf_core.jobs import ppo, process
 from rlhf_core.types import CheckpointRef
 
 KIND = "critic_warmup"
@@ -26,4 +26,4 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
 
 
 if __name__ == "__main__":
-    common.main(KIND, run)
+    process.main(KIND, run)

@@ -35,7 +35,7 @@ from rlhf_core.data.datasets import write_dataset
 from rlhf_core.data.examples import prompt_examples
 from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
 from rlhf_core.distributed.placement import engine_kwargs, generate_groups
-from rlhf_core.jobs import common
+from rlhf_core.jobs import input_checks, process, stage_setup
 from rlhf_core.models.builders import load_tokenizer, stop_ids
 from rlhf_core.rewards import load_gold
 from rlhf_core.types import CheckpointRef
@@ -64,7 +64,7 @@ def check_fits(stage: str, g: GenerateConfig, available: dict[str, float], nodes
 
 
 def kl_to_reference(
-    st: common.StageSetup,
+    st: stage_setup.StageSetup,
     g: GenerateConfig,
     prompt_ids: list[list[int]],
     responses: list[list[int]],
@@ -92,7 +92,7 @@ def kl_to_reference(
 
 
 def logprob_groups(
-    st: common.StageSetup, g: GenerateConfig, cluster: Cluster
+    st: stage_setup.StageSetup, g: GenerateConfig, cluster: Cluster
 ) -> tuple[WorkerGroup[Any], WorkerGroup[Any]]:
     """Two frozen ``ReferencePolicy`` groups of ``strategy.num_workers``: the policy's and the reference's (they
     start in the background while the engines generate)."""
@@ -127,7 +127,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
     g: GenerateConfig = cfg.stage(stage)
     models = {"model": g.model, **({"reference": g.reference} if g.reference is not None else {})}
     gold = load_gold(g.gold_reward, f"{stage}.gold_reward")
-    st = common.setup_stage(cfg, stage, models)
+    st = stage_setup.setup_stage(cfg, stage, models)
     if st.done is not None:
         return st.done
     g = st.section
@@ -147,12 +147,12 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
         cluster.start(min_cpus=demand)
         started = True
         device = cluster.device(g.strategy.device)
-        common.check_engine_backend(f"{stage}.rollout.backend", r.backend, device, st.model_path)
+        input_checks.check_engine_backend(f"{stage}.rollout.backend", r.backend, device, st.model_path)
         check_fits(stage, g, cluster.resources(), cluster.nodes())
         kwargs = engine_kwargs(r, g.model, g.strategy.precision, device, g.seed, g.data.max_len)
         engines = cluster.engines(
             r.num_engines,
-            common.engine_model(st, "model", g.rollout.backend, g.model.init_seed, tokenizer),
+            stage_setup.engine_model(st, "model", g.rollout.backend, g.model.init_seed, tokenizer),
             eos_token_id=tokenizer.eos_token_id,
             backend=r.backend,
             resources=r.resources,
@@ -231,4 +231,4 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
 
 
 if __name__ == "__main__":
-    common.main(KIND, run)
+    process.main(KIND, run)

@@ -27,7 +27,7 @@ from rlhf_core.distributed import device
 from rlhf_core.distributed.checkpoints import StageContext
 from rlhf_core.distributed.cluster import Cluster
 from rlhf_core.distributed.node_files import ModelSource
-from rlhf_core.jobs import common
+from rlhf_core.jobs import process
 from rlhf_core.jobs.preference import PreferenceTrainer, Sequence, run_stage, tensors
 from rlhf_core.types import CheckpointRef
 
@@ -128,4 +128,4 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
 
 
 if __name__ == "__main__":
-    common.main(KIND, run)
+    process.main(KIND, run)

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 from rlhf_core.config import STAGE_KINDS, PipelineConfig, load_config
 from rlhf_core.distributed.launcher import one_ray
-from rlhf_core.jobs.common import BAD_INPUT, env_secrets, exit_bad_input, ray_cpus
+from rlhf_core.jobs.process import BAD_INPUT, env_secrets, exit_bad_input
+from rlhf_core.jobs.stage_setup import ray_cpus
 from rlhf_core.run_layout import summary_metrics
 from rlhf_core.types import CheckpointRef
 

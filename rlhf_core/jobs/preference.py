@@ -50,7 +50,7 @@ from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
 from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.strategy import DeepSpeedStrategy
-from rlhf_core.jobs import common
+from rlhf_core.jobs import input_checks, stage_setup
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, load_tokenizer
 from rlhf_core.models.forward import causal_lm_logprobs
 from rlhf_core.storage import ArtifactError, ObjectStore
@@ -136,7 +136,7 @@ def starts_as_reference(p: PreferenceConfig) -> bool:
     return p.reference is None or p.reference == p.model
 
 
-def stored_reference(st: common.StageSetup, splits: dict[str, list[Sequence]]) -> dict[str, list[float]] | None:
+def stored_reference(st: stage_setup.StageSetup, splits: dict[str, list[Sequence]]) -> dict[str, list[float]] | None:
     """The summed reference log-probs of every sequence of each split, when ``<stage>/reference_logprobs/`` was
     committed for this config hash and these splits."""
     store, rel = st.store, run_layout.reference_logprobs(st.stage)
@@ -169,7 +169,7 @@ def commit_reference(store: ObjectStore, stage: str, config_hash: str, logps: di
 
 
 def precompute_reference(
-    st: common.StageSetup, p: PreferenceConfig, splits: dict[str, list[Sequence]], pad_id: int, cluster: Cluster
+    st: stage_setup.StageSetup, p: PreferenceConfig, splits: dict[str, list[Sequence]], pad_id: int, cluster: Cluster
 ) -> dict[str, list[float]]:
     """Summed log-probs of every sequence of each split under a reference other than the starting model, computed on
     a ``ReferencePolicy`` group of ``cluster`` and committed as ``<stage>/reference_logprobs/``."""
@@ -219,7 +219,7 @@ def _score(group: WorkerGroup[ReferencePolicy], seqs: list[Sequence], pad_id: in
 
 
 def driver_reference(
-    st: common.StageSetup,
+    st: stage_setup.StageSetup,
     p: PreferenceConfig,
     splits: dict[str, list[dict]],
     sequences: Callable[[dict], list[Sequence]],
@@ -471,7 +471,7 @@ def run_stage(
     cluster = RayCluster() if cluster is None else cluster
     # 1. inputs: policy and reference, config hash, finished output
     p = cfg.stage(stage)
-    st = common.setup_stage(cfg, stage, {"model": p.model, "reference": p.reference or p.model})
+    st = stage_setup.setup_stage(cfg, stage, {"model": p.model, "reference": p.reference or p.model})
     if st.done is not None:
         return st.done
     p = st.section  # its stage: data paths resolved to the committed datasets
@@ -481,7 +481,7 @@ def run_stage(
     tokenizer = load_tokenizer(st.model_path, p.model.tokenizer, trust_remote_code=p.model.trust_remote_code)
     train = read_examples(p.data, tokenizer, "train", options)
     held_out = read_examples(p.data, tokenizer, "eval", options) if p.data.eval_path else []
-    common.check_steps(stage, p, len(train))
+    input_checks.check_steps(stage, p, len(train))
 
     # 3. reference log-probs (precomputed: once, stored with the stage; the starting model's are scored by the
     # training ranks before their first step), then training on the Ray group; rank 0 exports and commits

@@ -26,7 +26,7 @@ from rlhf_core.data.examples import encode, render_prompt
 from rlhf_core.data.loading import DataError, load_rows, require_keys
 from rlhf_core.data.selection import select_all, select_best, select_pairs, selection_metrics
 from rlhf_core.distributed.cluster import Cluster, RayCluster
-from rlhf_core.jobs import common
+from rlhf_core.jobs import process, stage_setup
 from rlhf_core.rewards import call_reward_fn, load_reward_fn
 from rlhf_core.types import CheckpointRef
 
@@ -56,7 +56,7 @@ def load_scored_rows(s: ScoreConfig, stage: str, storage_options: dict | None) -
     return rows
 
 
-def reward_model_scores(st: common.StageSetup, rows: list[dict], cluster: Cluster) -> list[float]:
+def reward_model_scores(st: stage_setup.StageSetup, rows: list[dict], cluster: Cluster) -> list[float]:
     """Raw reward-model scores of rendered prompt + response + EOS (``encode``, as the reward-model stage trains),
     on ``strategy.num_workers`` ``RewardScorer`` workers of ``cluster``."""
     from rlhf_core.algos.batching import make_sequences
@@ -148,7 +148,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
     # 1. inputs: the reward function (checked before anything starts), config hash, finished output, reward model
     s: ScoreConfig = cfg.stage(stage)
     fn = load_reward_fn(s.reward_fn, f"{stage}.reward_fn") if s.reward_fn is not None else None
-    st = common.setup_stage(cfg, stage, {"reward": s.reward} if s.reward is not None else {})
+    st = stage_setup.setup_stage(cfg, stage, {"reward": s.reward} if s.reward is not None else {})
     if st.done is not None:
         return st.done
     s = st.section  # stage:<name> data paths resolved to the committed file
@@ -183,4 +183,4 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
 
 
 if __name__ == "__main__":
-    common.main(KIND, run)
+    process.main(KIND, run)

@@ -33,7 +33,7 @@ from rlhf_core.distributed.checkpoints import (
     start_rank,
 )
 from rlhf_core.distributed.cluster import Cluster, RayCluster
-from rlhf_core.jobs import common
+from rlhf_core.jobs import input_checks, process, stage_setup
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, load_tokenizer
 from rlhf_core.models.forward import causal_lm_logprobs
 from rlhf_core.tracking import Tracker
@@ -172,7 +172,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
     """The stage on ``cluster`` (default: Ray)."""
     cluster = RayCluster() if cluster is None else cluster
     # 1. inputs: model, config hash, finished output
-    st = common.setup_stage(cfg, stage)
+    st = stage_setup.setup_stage(cfg, stage)
     if st.done is not None:
         return st.done
 
@@ -183,7 +183,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
     )
     train = sft_examples(section.data, tokenizer, "train", options)
     held_out = sft_examples(section.data, tokenizer, "eval", options) if section.data.eval_path else []
-    common.check_steps(stage, section, len(train))
+    input_checks.check_steps(stage, section, len(train))
 
     # 3. train on the Ray group; rank 0 exports and commits
     try:
@@ -196,4 +196,4 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
 
 
 if __name__ == "__main__":
-    common.main(KIND, run)
+    process.main(KIND, run)

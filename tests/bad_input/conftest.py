@@ -72,12 +72,12 @@ def refused(run_dir, work_dir, no_ray, capsys):
     def check(kind: str, *overrides: str, match: str, config: str | Path = TINY, stage: str | None = None) -> str:
         before = snapshot(run_dir)
         job = importlib.import_module(f"rlhf_core.jobs.{kind}")
-        from rlhf_core.jobs import common
+        from rlhf_core.jobs import process
 
         argv = ["--config", str(config), *(["--stage", stage] if stage else []), f"run_uri={run_dir}", *overrides]
         capsys.readouterr()
         with pytest.raises(SystemExit) as exited:
-            common.main(kind, functools.partial(job.run, cluster=no_ray), argv)
+            process.main(kind, functools.partial(job.run, cluster=no_ray), argv)
         out, err = capsys.readouterr()
         assert exited.value.code == 2, f"exit status {exited.value.code}, stderr:\n{err}"
         assert "Traceback" not in out + err, out + err

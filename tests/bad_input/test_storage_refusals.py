@@ -1,5 +1,5 @@
 """Storage locations a stage job cannot use: refused with exit status 2 and one line naming the location and the fix
-(``rlhf_core.storage.check_location`` in ``rlhf_core.jobs.common.open_store``), never a library traceback, and
+(``rlhf_core.storage.check_location`` in ``rlhf_core.run_layout.open_store``), never a library traceback, and
 never a credential in the line. Each case overrides ``run_uri`` after the harness's own (the later one wins); the
 harness's run folder stays untouched."""
 

@@ -22,7 +22,7 @@ from rlhf_core.config import PipelineConfig, TrainConfig, as_ppo
 from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
-from rlhf_core.jobs import common
+from rlhf_core.jobs import stage_setup
 from tests.config_keys.fakes import FixedRole, in_process
 from tests.config_keys.harness import content_key, fingerprint, forward_record, lora_report, outcome
 from tests.config_keys.probes_training import engine_state, group_report
@@ -40,7 +40,7 @@ def _ppo_setup(cfg: PipelineConfig, stage: str):
 
     p, train_actor = as_ppo(cfg.stage(stage)), cfg.kind(stage) == "ppo"
     roles = RoleSet.of(p, train_actor)
-    setup = common.setup_stage(cfg, stage, role_models(p, roles))
+    setup = stage_setup.setup_stage(cfg, stage, role_models(p, roles))
     return PPOController(stage, p, setup, train_actor, roles, load_inputs(stage, p, setup), in_process())
 
 
@@ -306,7 +306,7 @@ def ppo_plan(cfg: PipelineConfig, stage: str) -> Any:
     from rlhf_core.jobs.ppo.roles import optimizer_steps
 
     p = as_ppo(cfg.stage(stage))
-    roles = placement.RoleSet.of(p)  # counted with a trained actor, as ``jobs.common.ray_cpus`` does
+    roles = placement.RoleSet.of(p)  # counted with a trained actor, as ``jobs.stage_setup.ray_cpus`` does
     return {
         "optimizer_steps": optimizer_steps(p, 10),
         "cpu": placement.resource_demand(p, roles, "cpu"),

@@ -25,7 +25,7 @@ from rlhf_core.distributed import launcher
 from rlhf_core.distributed.checkpoints import adapter_record, export_hf
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
-from rlhf_core.jobs import common, critic_init, dpo, kto, reward_model, sft
+from rlhf_core.jobs import critic_init, dpo, kto, reward_model, sft, stage_setup
 from rlhf_core.models.builders import attn_implementation, build_causal_lm, load_tokenizer
 from rlhf_core.storage import ObjectStore
 from tests.config_keys.fakes import one_rank_world, recording
@@ -55,7 +55,7 @@ MAKE_EXAMPLES = {
 
 
 def _examples(cfg: PipelineConfig, stage: str, split: str) -> list:
-    st = common.setup_stage(cfg, stage)
+    st = stage_setup.setup_stage(cfg, stage)
     key = (cfg.kind(stage), repr(st.section.data), repr(st.section.model), st.model_path, split)  # tokenized once
     if key not in _EXAMPLES:
         tokenizer = load_tokenizer(st.model_path, st.section.model.tokenizer)
@@ -96,7 +96,7 @@ def rank_model(cfg: PipelineConfig, stage: str) -> Any:
     (the stage trainer's fit, step 1)."""
 
     def build():
-        ctx = common.setup_stage(cfg, stage).context()
+        ctx = stage_setup.setup_stage(cfg, stage).context()
         strategy = DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train)
         tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
@@ -109,7 +109,7 @@ def rank_lora(cfg: PipelineConfig, stage: str) -> Any:
     """The LoRA adapters of the model a rank builds (``rank_model``'s path): layers, scaling, dropout, what trains."""
 
     def build():
-        ctx = common.setup_stage(cfg, stage).context()
+        ctx = stage_setup.setup_stage(cfg, stage).context()
         tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         return lora_report(build_rank_model(_stage_trainer(cfg, stage, ctx), tokenizer, torch.float32, "sdpa"))
 
@@ -121,7 +121,7 @@ def rank_export(cfg: PipelineConfig, stage: str) -> Any:
     context's ``adapter_record``) for the model a rank builds (``rank_lora``'s path)."""
 
     def build():
-        ctx = common.setup_stage(cfg, stage).context()
+        ctx = stage_setup.setup_stage(cfg, stage).context()
         tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         model = build_rank_model(_stage_trainer(cfg, stage, ctx), tokenizer, torch.float32, "sdpa")
         return export_files(model, tokenizer, ctx)
@@ -214,33 +214,33 @@ def lora_probes(prefix: str, observe: Any, base: tuple[str, ...] = (), slow: boo
 
 def ds_config(cfg: PipelineConfig, stage: str) -> dict:
     """DeepSpeedStrategy(strategy, optim, train).ds_config(), the config deepspeed.initialize gets."""
-    ctx = common.setup_stage(cfg, stage).context()
+    ctx = stage_setup.setup_stage(cfg, stage).context()
     return DeepSpeedStrategy(ctx.strategy, ctx.optim, ctx.train).ds_config()
 
 
 def lr_curve(cfg: PipelineConfig, stage: str) -> list[float]:
     """The LambdaLR multipliers of strategy.lr_lambda over a 20-step run."""
-    ctx = common.setup_stage(cfg, stage).context()
+    ctx = stage_setup.setup_stage(cfg, stage).context()
     fn = lr_lambda(ctx.optim, 20)
     return [round(fn(step), 9) for step in range(20)]
 
 
 def planned_steps(cfg: PipelineConfig, stage: str) -> int:
     """Optimizer steps the trainer plans for the tokenized training set (sampler.total_steps, as in fit())."""
-    t = common.setup_stage(cfg, stage).context().train
+    t = stage_setup.setup_stage(cfg, stage).context().train
     return total_steps(len(_examples(cfg, stage, "train")), t.train_batch_size, t.max_epochs, t.max_steps)
 
 
 def first_batch(cfg: PipelineConfig, stage: str) -> list[int]:
     """Dataset indices of the first optimizer step (sampler.global_batch with the train seed)."""
-    t = common.setup_stage(cfg, stage).context().train
+    t = stage_setup.setup_stage(cfg, stage).context().train
     return global_batch(len(_examples(cfg, stage, "train")), t.train_batch_size, 0, t.seed)
 
 
 def loss_forwards(cfg: PipelineConfig, stage: str) -> list[tuple[int, bool]]:
     """The model forwards of trainer.loss on four training examples of mixed lengths with a fixed tiny model: (rows,
     whether the rows came packed: position_ids and no attention mask) of each."""
-    impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
+    impl = _stage_trainer(cfg, stage, stage_setup.setup_stage(cfg, stage).context())
     tokenizer = load_tokenizer("builtin:tiny")
     model = build_rank_model(impl, tokenizer, torch.float32, "sdpa")
     examples = sorted(_examples(cfg, stage, "train")[:16], key=lambda e: len(e.get("input_ids") or e["chosen_ids"]))
@@ -257,7 +257,7 @@ def first_loss(cfg: PipelineConfig, stage: str) -> Any:
         from tests.config_keys.probes_methods import first_step_of
 
         return first_step_of(cfg, stage)
-    impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
+    impl = _stage_trainer(cfg, stage, stage_setup.setup_stage(cfg, stage).context())
     tokenizer = load_tokenizer("builtin:tiny")
     model = build_rank_model(impl, tokenizer, torch.float32, "sdpa")
     loss, metrics = impl.loss(model, impl.collate(_examples(cfg, stage, "train")[:4], tokenizer.pad_token_id))
@@ -279,7 +279,7 @@ def worker_device(cfg: PipelineConfig, stage: str) -> str:
 
 def pairwise_loss(cfg: PipelineConfig, stage: str) -> float:
     """RewardModelTrainer(margin).loss on four fixed preference pairs with a fixed tiny reward model."""
-    impl = _stage_trainer(cfg, stage, common.setup_stage(cfg, stage).context())
+    impl = _stage_trainer(cfg, stage, stage_setup.setup_stage(cfg, stage).context())
     tokenizer = load_tokenizer("builtin:tiny")
     model = build_rank_model(impl, tokenizer, torch.float32, "sdpa")
     batch = impl.collate(_examples(cfg, stage, "train")[:4], tokenizer.pad_token_id)
@@ -365,7 +365,7 @@ _ENGINES: dict[str, dict] = {}
 
 def engine(cfg: PipelineConfig, stage: str) -> dict:
     """What DeepSpeedStrategy.prepare made of the stage's strategy/optim sections (param group, recomputation)."""
-    ctx = common.setup_stage(cfg, stage).context()
+    ctx = stage_setup.setup_stage(cfg, stage).context()
     # one rank, whatever the stage asks for: the report is about the optimizer and the model, not the group
     section = dataclasses.replace(ctx.strategy, num_workers=1), ctx.optim, ctx.train
     if repr(section) not in _ENGINES:

@@ -93,7 +93,7 @@ def _batch_path_worker(port: int, run_dir: str, out: str) -> None:
     from rlhf_core.data.examples import sft_examples
     from rlhf_core.distributed.actor import PolicyActor
     from rlhf_core.distributed.critic import CriticActor
-    from rlhf_core.jobs import common
+    from rlhf_core.jobs import stage_setup
     from rlhf_core.jobs.sft import SFTTrainer
     from rlhf_core.models.builders import load_tokenizer
     from tests.distributed.test_roles import experience, role_context
@@ -144,7 +144,7 @@ def _batch_path_worker(port: int, run_dir: str, out: str) -> None:
     assert old.device.type == "cpu" and values.device.type == "cpu"  # results come back to the CPU for Ray
 
     cfg = load_config(TINY, [f"run_uri={tmp / 'sft_run'}", "sft.train.max_steps=1"])
-    st = common.setup_stage(cfg, "sft")
+    st = stage_setup.setup_stage(cfg, "sft")
     section = st.section
     train = sft_examples(section.data, tok, "train", {})
     held_out = sft_examples(section.data, tok, "eval", {})[:4]

@@ -15,7 +15,7 @@ from rlhf_core.data.datasets import read_dataset
 from rlhf_core.data.loading import DataError
 from rlhf_core.data.selection import group_rows, select_all, select_best, select_pairs, selection_metrics
 from rlhf_core.data.synthetic import gold_reward
-from rlhf_core.jobs import common, generate, score
+from rlhf_core.jobs import generate, process, score
 from rlhf_core.models.builders import build_scalar_model, load_tokenizer
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
@@ -167,7 +167,7 @@ def test_a_bad_reward_fn_is_refused_before_anything_runs(tmp_path, capsys):
     # the upstream generate stage has no output either: the reward_fn is what is reported, with exit status 2
     argv = ["--config", str(PRESET), "--stage", "score_fn", f"run_uri={tmp_path}", "score_fn.reward_fn=nope.py:f"]
     with pytest.raises(SystemExit) as e:
-        common.main(score.KIND, score.run, argv)
+        process.main(score.KIND, score.run, argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: 'score_fn.reward_fn' = 'nope.py:f': no file") and "\n" not in err

@@ -17,7 +17,7 @@ from rlhf_core.algos.ppo import KL_ESTIMATORS, approx_kl
 from rlhf_core.config import as_ppo, load_config
 from rlhf_core.distributed.cluster import LocalCluster, LocalWorkerGroup
 from rlhf_core.distributed.placement import RoleSet, resource_demand, role_workers
-from rlhf_core.jobs import common, ppo
+from rlhf_core.jobs import ppo, stage_setup
 from rlhf_core.jobs.ppo.controller import PPOController, PPOInputs
 from rlhf_core.jobs.ppo.evaluation import HeldOut
 from rlhf_core.jobs.ppo.experience import advantages
@@ -58,7 +58,9 @@ def start(tmp_path):
         p, train_actor = as_ppo(cfg.stage(stage)), cfg.kind(stage) == "ppo"
         models = dict.fromkeys(("actor", "critic", "reward", "reference"), MODEL)
         store, work = ObjectStore(str(tmp_path / "run")), str(tmp_path / "work")
-        setup = common.StageSetup(stage, p, store, work, models, {}, "test", None, sources=dict(models), kind=stage)
+        setup = stage_setup.StageSetup(
+            stage, p, store, work, models, {}, "test", None, sources=dict(models), kind=stage
+        )
         prompts = [{"prompt": f"prompt {i}", "prompt_ids": [5 + i, 6, 7]} for i in range(16)]
         inputs = PPOInputs(load_tokenizer(MODEL), prompts, HeldOut([]), RewardSources(weights={"reward": 1.0}))
         controller = PPOController(stage, p, setup, train_actor, RoleSet.of(p, train_actor), inputs, Recording())
@@ -184,7 +186,7 @@ def start_order(tmp_path, *overrides: str) -> list[str]:
     cfg = load_config(TINY, [f"run_uri={tmp_path / 'run'}", *overrides])
     p = as_ppo(cfg.stage("ppo"))
     models = dict.fromkeys(("actor", "critic", "reward", "reference"), MODEL)
-    setup = common.StageSetup(
+    setup = stage_setup.StageSetup(
         "ppo", p, ObjectStore(str(tmp_path / "run")), str(tmp_path), models, {}, "test", None, sources=dict(models)
     )
     prompts = [{"prompt": f"prompt {i}", "prompt_ids": [5 + i, 6, 7]} for i in range(16)]

@@ -223,12 +223,12 @@ def test_zero3_trains_the_adapters_through_the_chunked_log_probs(tok, world):
 def test_bad_targets_are_refused_naming_the_key_before_any_worker_starts(overrides, message, tmp_path):
     """The stage's set-up (on the driver, before any group starts) tries the adapters on the model's skeleton."""
     from rlhf_core.config import ConfigError, load_config
-    from rlhf_core.jobs import common
+    from rlhf_core.jobs import stage_setup
     from tests.conftest import TINY
 
     cfg = load_config(TINY, [f"run_uri={tmp_path}", "sft.model.lora.rank=4", *overrides])
     with pytest.raises(ConfigError, match=message):
-        common.setup_stage(cfg, "sft")
+        stage_setup.setup_stage(cfg, "sft")
 
 
 QLORA = LoraConfig(rank=4, alpha=8.0, load_in_4bit=True)
@@ -399,7 +399,7 @@ def test_a_stage_reference_to_an_adapter_export_loads_the_trained_model(tmp_path
 
     from rlhf_core.config import load_config
     from rlhf_core.distributed.cluster import LocalCluster
-    from rlhf_core.jobs import common, sft
+    from rlhf_core.jobs import process, sft, stage_setup
     from tests.conftest import TINY
 
     overrides = ["sft.model.lora.rank=4", "sft.model.lora.export=adapter", "sft.data.max_samples=32"]
@@ -407,11 +407,11 @@ def test_a_stage_reference_to_an_adapter_export_loads_the_trained_model(tmp_path
     sft.run(cfg, "sft", cluster=LocalCluster())
     out = tmp_path / "run" / "sft"
     assert (out / "adapter_model.safetensors").is_file() and not (out / "config.json").exists()
-    st = common.setup_stage(cfg, "reward_model")
+    st = stage_setup.setup_stage(cfg, "reward_model")
     tok = load_tokenizer(st.model_path)
     with torch.no_grad():
         loaded = AutoModelForCausalLM.from_pretrained(st.model_path, dtype=torch.float32)(_ids(2)).logits
         peft_model = PeftModel.from_pretrained(_lm(tok, lora=None), str(out)).eval()
         assert (loaded - peft_model(_ids(2)).logits).abs().max().item() < 1e-5
     assert (loaded - _lm(tok, lora=None)(_ids(2)).logits).abs().max().item() > 1e-4  # the adapters trained
-    common.remove_scratch()
+    process.remove_scratch()

@@ -205,12 +205,12 @@ def test_all_linear_reaches_the_fused_experts_and_router_as_peft_maps_them(tok):
 )
 def test_bad_expert_targets_are_refused_naming_the_keys_before_any_worker_starts(overrides, message, tmp_path):
     from rlhf_core.config import ConfigError, load_config
-    from rlhf_core.jobs import common
+    from rlhf_core.jobs import stage_setup
     from tests.conftest import TINY
 
     base = [f"run_uri={tmp_path}", "sft.model.name_or_path=builtin:tiny-moe", "sft.model.lora.rank=4"]
     with pytest.raises(ConfigError, match=message):
-        common.setup_stage(load_config(TINY, [*base, *overrides]), "sft")
+        stage_setup.setup_stage(load_config(TINY, [*base, *overrides]), "sft")
 
 
 def test_the_default_leaves_the_stage_hash_as_it_was():

@@ -63,13 +63,13 @@ def test_a_dense_model_has_no_aux_loss():
 
 def test_an_aux_loss_on_a_dense_model_is_refused_naming_the_key_before_any_worker_starts(tmp_path):
     from rlhf_core.config import ConfigError, load_config
-    from rlhf_core.jobs import common
+    from rlhf_core.jobs import stage_setup
     from tests.conftest import TINY
 
     cfg = load_config(TINY, [f"run_uri={tmp_path}", "sft.model.aux_loss_coef=0.01"])
     with pytest.raises(ConfigError, match=r"'sft.model.aux_loss_coef' is the load-balancing loss of a Mixture-of-Exp"):
-        common.setup_stage(cfg, "sft")
+        stage_setup.setup_stage(cfg, "sft")
     moe = load_config(
         TINY, [f"run_uri={tmp_path}", "sft.model.aux_loss_coef=0.01", "sft.model.name_or_path=builtin:tiny-moe"]
     )
-    assert common.setup_stage(moe, "sft").context().aux_loss_coef == 0.01
+    assert stage_setup.setup_stage(moe, "sft").context().aux_loss_coef == 0.01

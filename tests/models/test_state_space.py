@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.jobs import common, ppo, reward_model, sft
+from rlhf_core.jobs import ppo, reward_model, sft, stage_setup
 from rlhf_core.models.checks import has_state_space_layers
 from tests.clusters import NoWorkers
 from tests.conftest import ROOT, TINY
@@ -44,11 +44,11 @@ def test_packing_is_refused_naming_the_strategy_key(tmp_path):
         ConfigError,
         match=r"^'sft.strategy.packing' packs samples into shared rows, and builtin:tiny-jamba \(jamba\) has state-sp",
     ):
-        common.setup_stage(cfg, "sft")
+        stage_setup.setup_stage(cfg, "sft")
     unpacked = load_config(
         TINY, [f"run_uri={tmp_path}", f"sft.model.name_or_path={JAMBA}", "sft.strategy.packing=false"]
     )
-    assert common.setup_stage(unpacked, "sft").model_path == JAMBA
+    assert stage_setup.setup_stage(unpacked, "sft").model_path == JAMBA
 
 
 @pytest.mark.slow  # the stage starts its (local) Ray cluster before it knows the device
@@ -83,16 +83,19 @@ def test_lora_targets_whose_adapters_get_no_gradient_are_refused_naming_the_modu
     lora = [f"{stage}.strategy.packing=false", f"{stage}.model.lora.target_modules={targets}"]
     cfg = load_config(TINY, [f"run_uri={tmp_path}", *model, *lora])
     with pytest.raises(ConfigError, match=message) as refused:
-        common.setup_stage(cfg, stage)
+        stage_setup.setup_stage(cfg, stage)
     assert "\n" not in str(refused.value)
 
 
 def test_lora_on_the_linear_layers_the_models_call_passes_the_gradient_check(tmp_path):
     jamba = [f"sft.model.name_or_path={JAMBA}", "sft.strategy.packing=false", "sft.model.lora.rank=4"]
     targets = "sft.model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,in_proj,x_proj,out_proj,router]"
-    assert common.setup_stage(load_config(TINY, [f"run_uri={tmp_path}/j", *jamba, targets]), "sft").model_path == JAMBA
+    assert (
+        stage_setup.setup_stage(load_config(TINY, [f"run_uri={tmp_path}/j", *jamba, targets]), "sft").model_path
+        == JAMBA
+    )
     dense = load_config(TINY, [f"run_uri={tmp_path}/d", "sft.model.lora.rank=4"])  # all-linear on the Llama
-    assert common.setup_stage(dense, "sft").model_path == "builtin:tiny"
+    assert stage_setup.setup_stage(dense, "sft").model_path == "builtin:tiny"
 
 
 @pytest.mark.slow

@@ -59,7 +59,7 @@ from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext, TrainableRole
 from rlhf_core.distributed.rollout.engine import SamplingConfig
-from rlhf_core.jobs import common
+from rlhf_core.jobs import input_checks, process, stage_setup
 from rlhf_core.jobs.ppo.async_rollout import AsyncRollout, Rollout, rollout_logs
 from rlhf_core.jobs.ppo.evaluation import HeldOut, probe_logprobs, summary_metrics
 from rlhf_core.jobs.ppo.experience import ExperienceMaker, advantages
@@ -98,7 +98,7 @@ class PPOInputs:
     rewards: RewardSources
 
 
-def load_inputs(stage: str, p: PPOConfig, setup: common.StageSetup) -> PPOInputs:
+def load_inputs(stage: str, p: PPOConfig, setup: stage_setup.StageSetup) -> PPOInputs:
     """The inputs of a stage from its fetched models and its data files."""
     tokenizer = load_tokenizer(
         setup.paths["actor"], p.actor.model.tokenizer, trust_remote_code=p.actor.model.trust_remote_code
@@ -121,7 +121,7 @@ class PPOController:
         self,
         stage: str,
         p: PPOConfig,
-        setup: common.StageSetup,
+        setup: stage_setup.StageSetup,
         train_actor: bool,
         roles: RoleSet,
         inputs: PPOInputs,
@@ -173,7 +173,7 @@ class PPOController:
         cluster.start(min_cpus=resource_demand(p, roles, "cpu")["CPU"])  # the CPUs asked do not depend on the device
         self.started = True
         self.device = cluster.device(p.actor.strategy.device)
-        common.check_engine_backend(
+        input_checks.check_engine_backend(
             f"{self.stage}.rollout.backend", p.rollout.backend, self.device, self.setup.paths["actor"]
         )
         check_fits(self.stage, p, roles, self.device, cluster.resources(), cluster.nodes())
@@ -186,7 +186,7 @@ class PPOController:
 
         self.engines = cluster.engines(
             p.rollout.num_engines,
-            common.engine_model(self.setup, "actor", p.rollout.backend, p.actor.model.init_seed, self.tokenizer),
+            stage_setup.engine_model(self.setup, "actor", p.rollout.backend, p.actor.model.init_seed, self.tokenizer),
             eos_token_id=self.eos_id,
             backend=p.rollout.backend,
             resources=p.rollout.resources,
@@ -429,7 +429,7 @@ class PPOController:
                 eval_before_s = time.perf_counter() - t0
                 print(f"[{stage}] before: {_fmt(state['before'])}", flush=True)
 
-        fail_after = common.fail_after_step()
+        fail_after = process.fail_after_step()
         startup_s = timing.since_job_start()
         n_eval = len(self.held_out.examples)
         evaluating = f" ({eval_before_s:.1f}s of it evaluating {n_eval} prompts)" if eval_before_s and n_eval else ""
@@ -531,7 +531,7 @@ def run(
     # 1. inputs: config hash (with the upstream outputs' hashes), finished output, then the models
     p = as_ppo(cfg.stage(stage))  # a critic warm-up's section with PPO's actor defaults
     roles = RoleSet.of(p, train_actor)
-    setup = common.setup_stage(cfg, stage, role_models(p, roles))
+    setup = stage_setup.setup_stage(cfg, stage, role_models(p, roles))
     if setup.done is not None:
         return setup.done
     store, work, upstream, config_hash = setup.store, setup.work, setup.upstream, setup.config_hash
@@ -572,5 +572,5 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m rlhf_core.jobs.ppo``: the stage under its lease (``jobs.common.main``)."""
-    common.main(KIND, run, argv)
+    """``python -m rlhf_core.jobs.ppo``: the stage under its lease (``jobs.process.main``)."""
+    process.main(KIND, run, argv)

@@ -14,7 +14,7 @@ from rlhf_core.distributed.node_files import ModelSource
 from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.distributed.role_base import RoleContext
-from rlhf_core.jobs import common
+from rlhf_core.jobs import stage_setup
 
 
 def optimizer_steps(p: PPOConfig, ppo_steps: int) -> int:
@@ -25,7 +25,7 @@ def optimizer_steps(p: PPOConfig, ppo_steps: int) -> int:
 def role_context(
     stage: str,
     p: PPOConfig,
-    setup: common.StageSetup,
+    setup: stage_setup.StageSetup,
     role: str,
     train_actor: bool,
     steps: int,
