@@ -14,7 +14,8 @@ in-stage checkpoint). Results live in the run's own location, ``<run_uri>/_prefe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
@@ -93,7 +94,8 @@ def run_stage(run: RunSpec, stage: str, upstream: dict[str, dict]) -> Any:
     context = TaskRunContext.get()
     attempt = context.task_run.run_count if context is not None else 1
     progress.publish({"event": "started", "stage": stage, "kind": spec.kind, "attempt": attempt})
-    bar = create_progress_artifact(progress=0.0, key=f"{key}-progress", description=f"{stage}: steps done")
+    # Prefect types its sync-or-async calls as either; called from a sync task they return the id itself
+    bar = cast(UUID, create_progress_artifact(progress=0.0, key=f"{key}-progress", description=f"{stage}: steps done"))
     live = LiveCurves(stage, spec.kind, key)
 
     def on_event(event: dict) -> None:  # the launcher's watcher thread

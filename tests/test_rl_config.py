@@ -135,3 +135,19 @@ def test_async_training_stays_out_of_the_hash_until_turned_on():
     on = load_config(TINY, ["ppo.train.async_enable=true"]).stage("ppo")
     assert on.train.async_enable and on.train.async_queue_size == 1
     assert stage_hash(on) != stage_hash(base)
+
+
+@pytest.mark.parametrize(
+    "kl_coef, kl_target, kl_mode, expected",
+    [
+        # (needs_kl, kl_in_reward, kl_in_loss): a KL when the coefficient is positive or a target adapts it
+        (0.01, None, "reward", (True, True, False)),
+        (0.0, None, "reward", (False, False, False)),  # no KL: no penalty, no reference to build
+        (0.0, 6.0, "reward", (True, True, False)),  # the adaptive controller may raise a zero coefficient
+        (0.05, None, "loss", (True, False, True)),  # GRPO's loss term, not in the rewards
+    ],
+)
+def test_where_the_kl_goes_is_decided_once_on_the_algorithm(kl_coef, kl_target, kl_mode, expected):
+    """Placement, old log-probs, advantages and the actor's loss read these three properties, nothing else."""
+    a = PPOAlgoConfig(kl_coef=kl_coef, kl_target=kl_target, kl_mode=kl_mode)
+    assert (a.needs_kl, a.kl_in_reward, a.kl_in_loss) == expected

@@ -118,7 +118,7 @@ def check_rl(name: str, p: CriticWarmupConfig, critic: bool) -> None:
         a.reward_clip,
         "must be [low, high] with low < high",
     )
-    if a.kl_mode == "loss" and a.kl_coef == 0 and a.kl_target is None:
+    if a.kl_in_loss and not a.needs_kl:
         raise ConfigError(
             f"'{name}.algo.kl_mode' = loss with kl_coef 0 adds no KL term: set '{name}.algo.kl_coef' "
             "> 0 (e.g. 0.01) or kl_mode=reward"

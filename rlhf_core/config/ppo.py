@@ -74,25 +74,6 @@ class PPOAlgoConfig(ValueAlgoConfig):
         False, "Drop the prompts whose n samples all got the same reward (DAPO dynamic sampling; no signal)."
     )
 
-    # Where the KL to the reference goes, decided here once for every reader (placement, old log-probs, advantages,
-    # the actor's loss, validation). Validation refuses kl_mode=loss without a KL, so ``kl_in_loss`` reads the mode
-    # alone and a validated config has a KL wherever it is true.
-    @property
-    def needs_kl(self) -> bool:
-        """A KL to the reference policy, as a reward penalty or a loss term: none when kl_coef = 0 and no adaptive
-        target (as OpenRLHF)."""
-        return self.kl_coef > 0 or self.kl_target is not None
-
-    @property
-    def kl_in_reward(self) -> bool:
-        """The KL as a token-level penalty in the rewards (``kl_mode`` reward, with a KL)."""
-        return self.needs_kl and self.kl_mode == "reward"
-
-    @property
-    def kl_in_loss(self) -> bool:
-        """The KL as a term of the actor loss (``kl_mode`` loss), on the reference log-probs."""
-        return self.kl_mode == "loss"
-
 
 @dataclass
 class PPOTrainConfig(RLTrainConfig):

@@ -30,7 +30,9 @@ def runner(kind: str) -> Callable[[PipelineConfig, str], CheckpointRef]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.jobs.pipeline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf_core.jobs.pipeline", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--config", required=True, help="YAML preset, e.g. deployments/configs/demo.yaml")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)

@@ -178,7 +178,10 @@ class PPOController:
         )
         check_fits(self.stage, p, roles, self.device, cluster.resources(), cluster.nodes())
         plan = PlacementPlan.of(p, roles)
-        bundles = {name: cluster.colocation(count, 1.0, self.device) for name, count in plan.groups.items()}
+        # looked up by a role's or the engines' group, None when it has no colocation bundle
+        bundles: dict[str | None, Any] = {
+            name: cluster.colocation(count, 1.0, self.device) for name, count in plan.groups.items()
+        }
         self.placement_groups += list(bundles.values())
 
         def placed(role: str) -> dict[str, Any]:

@@ -75,7 +75,7 @@ class HeldOut:
         out = {SOURCE_LOGS[key]: part[:count].mean().item() for key, part in parts.items()}
         if len(parts) > 1:
             out["reward"] = exp.scores[:count].mean().item()
-        if exp.ref_logprobs is not None:
+        if exp.ref_logprobs is not None and exp.old_logprobs is not None:  # as experience.advantages reads them
             mask = exp.action_mask[:count]
             kl = approx_kl(exp.old_logprobs[:count], exp.ref_logprobs[:count], mask, "k1")
             out["kl_to_ref"] = (kl * mask).sum(1).mean().item()
