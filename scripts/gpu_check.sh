@@ -6,7 +6,7 @@
 # process, cuda_ipc, in buckets, twice: GB/s, bit-exact), attention on padded vs unpadded rows and packed vs padded
 # log-probs (sdpa, flash_attention_2 when installed), the HF rollout engine's generate + load_state_dict, a ZeRO-3
 # checkpoint save/step/load round trip, and pytest tests/gpu. One JSON line per check, then a summary line (always
-# last, also after a check that hung or crashed); exit 1 if any check failed. Details: scripts/gpu_check.py.
+# last, also after a check that hung or crashed); exit 1 if any check failed. Details: scripts/gpu_check/__init__.py.
 #
 # The GPU machine needs a CUDA torch and transformers; no Ray, no vLLM and no package registry. The project and
 # DeepSpeed come as wheels built here by scripts/build_gpu_wheels.sh (build/gpu_wheels/, about 16 MiB, binary wheels
@@ -79,4 +79,4 @@ fi
 
 # Each check has its own time limit inside, and the summary line comes last whatever a check does; this outer limit
 # only guards against the driver itself hanging.
-exec timeout --kill-after=5 "$((${GPU_CHECK_TIMEOUT:-450} + 20))" "$PY" "$ROOT/scripts/gpu_check.py" "${PASS[@]}"
+exec timeout --kill-after=5 "$((${GPU_CHECK_TIMEOUT:-450} + 20))" "$PY" "$ROOT/scripts/gpu_check" "${PASS[@]}"

@@ -24,10 +24,17 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
 def load(name: str):
-    """scripts/<name>.py as the module ``name`` (registered: its dataclasses look themselves up there)."""
+    """scripts/<name>.py, or the package scripts/<name>/, as the module ``name`` (registered: its dataclasses look
+    themselves up there, and a package's modules import each other through it)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    folder = ROOT / "scripts" / name
+    if folder.is_dir():
+        spec = importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+    else:
+        spec = importlib.util.spec_from_file_location(name, folder.with_suffix(".py"))
     module = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -198,7 +205,7 @@ def test_gpu_run_without_cuda_says_so():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "scripts" / "gpu_check")], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 1 and json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is False
 

@@ -24,9 +24,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def gpu_check():
-    """scripts/gpu_check.py as a module: the tests run its checks with smaller plans. Imported by name from
-    scripts/ (on sys.path, which spawned processes inherit), so that the weight-sync check's receiver, a function of
-    that module, can be started in a spawned process."""
+    """The package scripts/gpu_check/: the tests run its checks with smaller plans. Imported by name from scripts/
+    (on sys.path, which spawned processes inherit), so that the weight-sync check's receiver, a function of its
+    module ``gpu_check.weight_sync``, can be started in a spawned process."""
     scripts = str(ROOT / "scripts")
     if scripts not in sys.path:
         sys.path.insert(0, scripts)

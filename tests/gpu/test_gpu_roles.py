@@ -1,6 +1,6 @@
 """On one CUDA GPU: a bf16 ZeRO-3 actor and critic step, zero.Init construction memory, a weight sync through the
 project's cuda_ipc transport into another process, attention on padded rows and packed log-probs (sdpa,
-flash_attention_2), the HF rollout engine, and a ZeRO-3 checkpoint round trip, via scripts/gpu_check.py's checks with
+flash_attention_2), the HF rollout engine, and a ZeRO-3 checkpoint round trip, via scripts/gpu_check/'s checks with
 plans small enough for any recent GPU and for the GPU check's time limit on ``pytest_gpu``: a 2-layer model of
 Qwen2-0.5B's width with a 32k vocabulary (59M parameters)."""
 
