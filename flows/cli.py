@@ -47,6 +47,7 @@ def _saved_params(run_name: str, run_uri: str | None):
 
 
 def main(argv: list[str] | None = None) -> None:
+    assert __doc__ is not None  # the module docstring (absent only under python -OO, which also drops asserts)
     parser = argparse.ArgumentParser(prog="rlhf", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="run the pipeline")

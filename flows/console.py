@@ -20,10 +20,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from prefect.logging.handlers import PrefectConsoleHandler
 
 STEP_METRICS = ("loss", "reward", "kl", "critic_loss", "policy_loss", "acc")  # shown: the first 3 a step carries
 SHOWN_METRICS = 3
@@ -68,7 +72,7 @@ class StageConsole:
         self.clock = clock
         self.stages: dict[str, _Stage] = {}
         self._lock = threading.Lock()  # events come from the stage task's and the launcher's threads
-        self._handlers: list[tuple[logging.Handler, Console]] = []
+        self._handlers: list[tuple[PrefectConsoleHandler, Console]] = []
         self.progress = (
             Progress(
                 TextColumn("{task.description}", style="bold", markup=False),
@@ -223,8 +227,9 @@ class _StepColumn(ProgressColumn):
     """``step 8/16`` once the stage has logged a step."""
 
     def render(self, task: Task) -> Text:
-        stepped = task.fields.get("stepped") and task.total is not None
-        return Text(f"step {int(task.completed)}/{int(task.total)}" if stepped else "")
+        if not task.fields.get("stepped") or task.total is None:
+            return Text("")
+        return Text(f"step {int(task.completed)}/{int(task.total)}")
 
 
 class _RateColumn(ProgressColumn):
@@ -242,7 +247,7 @@ class _RateColumn(ProgressColumn):
         return Text(" ".join(parts), style="green")
 
 
-def _prefect_console_handlers() -> list[logging.Handler]:
+def _prefect_console_handlers() -> list[PrefectConsoleHandler]:
     """Prefect's console log handlers (one object, attached to the root logger and a few others)."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
@@ -250,7 +255,7 @@ def _prefect_console_handlers() -> list[logging.Handler]:
         logging.getLogger(),
         *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
     ]
-    found: dict[int, logging.Handler] = {}
+    found: dict[int, PrefectConsoleHandler] = {}
     for logger in loggers:
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler):

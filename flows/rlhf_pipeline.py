@@ -40,20 +40,24 @@ SECRET_KEYS = ("storage.key", "storage.secret")
 class PipelineParams(BaseModel):
     """What a pipeline run is: a preset, overrides and where it writes."""
 
-    preset: str = Field("tiny", description="Preset name in deployments/configs/ (tiny, demo) or a YAML path.")
+    preset: str = Field(default="tiny", description="Preset name in deployments/configs/ (tiny, demo) or a YAML path.")
     overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. ppo.train.max_steps=4")
     run_name: str = Field(
-        "default",
+        default="default",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Names the run; a rerun with the same name resumes it.",
     )
     run_uri: str | None = Field(
-        None, description="Artifacts location (path, file://, s3://); default runs/<run_name>."
+        default=None, description="Artifacts location (path, file://, s3://); default runs/<run_name>."
     )
-    stages: list[str] | None = Field(None, description="Run only these stage instances (their inputs must exist).")
-    task_retries: int = Field(2, ge=0, description="Retries of a failed stage (each resumes from its checkpoint).")
+    stages: list[str] | None = Field(
+        default=None, description="Run only these stage instances (their inputs must exist)."
+    )
+    task_retries: int = Field(
+        default=2, ge=0, description="Retries of a failed stage (each resumes from its checkpoint)."
+    )
     shared_ray: bool = Field(
-        True,
+        default=True,
         description="One Ray for the run: the flow starts a local Ray head, every stage "
         "job joins it instead of starting its own Ray (seconds per stage; the workers are then "
         "the head's processes, not the job's), and the head stops with the run. False: each job "

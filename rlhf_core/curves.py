@@ -14,7 +14,7 @@ import io
 import math
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from rlhf_core import run_layout, timing
 from rlhf_core.storage import ObjectStore
@@ -50,7 +50,7 @@ MAX_PANELS = 12
 TIMING_PANEL = "step phases (s)"
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[float]:
     """A finite int or float (a bool, a list or NaN is not a metric to draw or log)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

@@ -114,10 +114,11 @@ class Lease:
                     return self
                 held = mine
             if time.time() >= deadline:
-                age = time.time() - float((held or {}).get("heartbeat", 0))
+                owner = held or {}
+                age = time.time() - float(owner.get("heartbeat", 0))
                 raise LeaseHeld(
-                    f"{self.store.uri(self.rel)}: stage '{self.stage}' is being written by pid {held.get('pid')} on "
-                    f"{held.get('host')} (lease renewed {age:.0f} s ago): wait for that job to end or stop it; a "
+                    f"{self.store.uri(self.rel)}: stage '{self.stage}' is being written by pid {owner.get('pid')} on "
+                    f"{owner.get('host')} (lease renewed {age:.0f} s ago): wait for that job to end or stop it; a "
                     f"lease unrenewed for {self.ttl_s:.0f} s, or whose process on this host is gone, is taken over"
                 )
             time.sleep(poll_s)

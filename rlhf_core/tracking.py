@@ -296,11 +296,12 @@ class Tracker:
             self.scratch = None
 
     def _copy_to_store(self) -> None:
-        if self.scratch is None or self.store is None:
+        scratch, store = self.scratch, self.store
+        if scratch is None or store is None:
             return
         for rel in run_layout.TRACKER_DIRS:
-            if (self.scratch / rel).is_dir():
-                self._guard(rel, "copying files", lambda rel=rel: self.store.upload_files(self.scratch / rel, rel))
+            if (scratch / rel).is_dir():
+                self._guard(rel, "copying files", lambda rel=rel: store.upload_files(scratch / rel, rel))
 
     def _guard(self, key: str, action: str, fn: Any, logger: Any = None) -> None:
         try:

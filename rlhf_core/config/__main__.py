@@ -79,6 +79,7 @@ def stale(path: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    assert __doc__ is not None  # the module docstring (absent only under python -OO, which also drops asserts)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REFERENCE), help=f"where to write the page ('-': stdout; {REFERENCE})")
     parser.add_argument("--check", action="store_true", help="only compare --out with the code; exit 1 if stale")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 MISSING: Any = dataclasses.MISSING
 
@@ -25,7 +28,16 @@ def opt(default: Any, help: str) -> Any:
 
 
 def _copy(value: Any) -> Any:
-    return dataclasses.replace(value) if dataclasses.is_dataclass(value) else type(value)(value)
+    return (
+        dataclasses.replace(cast("DataclassInstance", value))
+        if dataclasses.is_dataclass(value)
+        else type(value)(value)
+    )
+
+
+def is_section(tp: Any) -> TypeGuard[type[Any]]:
+    """``dataclasses.is_dataclass`` for a type hint (a class, never an instance): whether ``tp`` is a section."""
+    return dataclasses.is_dataclass(tp)
 
 
 def join_key(prefix: str, name: str) -> str:

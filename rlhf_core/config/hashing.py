@@ -78,7 +78,8 @@ def code_fingerprint(spec: str) -> str:
 
     where = spec.rpartition(":")[0]
     try:
-        origin = where if where.endswith(".py") else (importlib.util.find_spec(where) or object()).origin
+        found = None if where.endswith(".py") else importlib.util.find_spec(where)
+        origin = where if where.endswith(".py") else None if found is None else found.origin
     except (ImportError, ValueError, AttributeError):
         return ""
     path = Path(origin) if isinstance(origin, str) else None

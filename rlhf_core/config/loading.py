@@ -8,14 +8,17 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from rlhf_core.config.fields import MISSING, ConfigError, join_key
+from rlhf_core.config.fields import MISSING, ConfigError, is_section, join_key
 from rlhf_core.config.kinds import STAGE_KINDS
 from rlhf_core.config.pipeline import STAGE_NAME, STAGE_PREFIX, LoopConfig, PipelineConfig, StageSpec
 from rlhf_core.config.validation import validate
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _TOP_LEVEL = ("run_uri", "storage", "stages", "loop", "tracking")
 LOOP_POLICY = "loop:policy"
@@ -197,13 +200,12 @@ def _build_stage(name: str, entry: Any) -> StageSpec:
         raise ConfigError(f"invalid stage name '{name}': use lowercase letters, digits and _ (it names a folder)")
     entry = dict(entry)
     kind = entry.pop("kind", name if name in STAGE_KINDS else None)
-    kind_spec = STAGE_KINDS.get(kind)
     if kind not in STAGE_KINDS:
         close = difflib.get_close_matches(str(kind), STAGE_KINDS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         what = f"unknown kind {kind!r}" if kind is not None else "no kind"
         raise ConfigError(f"stage '{name}' has {what}: set '{name}.kind' to one of {', '.join(STAGE_KINDS)}{hint}")
-    return StageSpec(name, kind, _build(kind_spec.section, entry, name))
+    return StageSpec(name, kind, _build(STAGE_KINDS[kind].section, entry, name))
 
 
 def _unalias(node: Any) -> Any:
@@ -264,7 +266,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             default = f.default_factory() if f.default_factory is not MISSING else None  # type: ignore[misc]
             if isinstance(value, dict) and dataclasses.is_dataclass(default):
                 # A partial section overrides the stage's own defaults (e.g. the RM's higher learning rate).
-                value = _deep_merge(dataclasses.asdict(default), value)
+                value = _deep_merge(dataclasses.asdict(typing.cast("DataclassInstance", default)), value)
             kwargs[name] = _coerce(hints[name], value, key)
         elif f.default is MISSING and f.default_factory is MISSING:  # type: ignore[misc]
             raise ConfigError(f"missing required config key '{key}': {f.metadata.get('help', '')}")
@@ -296,7 +298,7 @@ def _has_key(cls: type, dotted: str) -> bool:
     if not rest:
         return True
     tp = typing.get_type_hints(cls)[head]
-    inner = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+    inner = [a for a in (tp, *typing.get_args(tp)) if is_section(a)]
     return bool(inner) and _has_key(inner[0], rest)
 
 
@@ -314,7 +316,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value is None:
             return None
         return _coerce(args[0], value, key)
-    if dataclasses.is_dataclass(tp):
+    if is_section(tp):
         return _build(tp, value, key)
     if origin is Literal:
         choices = typing.get_args(tp)

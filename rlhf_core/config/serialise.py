@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from rlhf_core.config.fields import MISSING, join_key
+from rlhf_core.config.fields import MISSING, is_section, join_key
 from rlhf_core.config.kinds import STAGE_KINDS, StageKind
 from rlhf_core.config.pipeline import PipelineConfig
 from rlhf_core.config.redact import redact_tracking_uri, redact_url
@@ -61,8 +61,8 @@ def describe(
                 rows += describe(kind.section, kind.name)
             continue
         tp = hints[f.name]
-        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
-        target = tp if dataclasses.is_dataclass(tp) else (inner[0] if inner else None)
+        inner = [a for a in typing.get_args(tp) if is_section(a)]
+        target = tp if is_section(tp) else (inner[0] if inner else None)
         if target is not None:
             own = getattr(defaults, f.name, None) if defaults is not None else None
             if own is None and f.default_factory is not MISSING:  # type: ignore[misc]

@@ -40,7 +40,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import IO, Any, cast
 
 __all__ = ["DataError", "load_rows", "require_keys", "DATA_EXTENSIONS"]
 
@@ -279,10 +279,10 @@ def _read_file(
     _, gz = _strip_gz(name)
     try:
         with opener() as raw:
-            binary: IO[bytes] = gzip.GzipFile(fileobj=raw) if gz else raw
+            # typeshed declares GzipFile a BufferedIOBase, not a typing.IO, though it is one at runtime
+            binary: IO[bytes] = cast(IO[bytes], gzip.GzipFile(fileobj=raw)) if gz else raw
             if ext == ".parquet":
-                data = binary.read() if gz else None
-                return _parse_parquet(io.BytesIO(data) if gz else binary, source, max_rows)
+                return _parse_parquet(io.BytesIO(binary.read()) if gz else binary, source, max_rows)
             if ext == ".jsonl":
                 return _parse_jsonl(binary, source, max_rows)
             text = _decode(binary.read(), source)

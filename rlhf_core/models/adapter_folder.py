@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from rlhf_core.models.lora import ADAPTER, LORA_MARKERS, lora_layers, merged_tensors
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 RECORD = "adapter_base.json"
 PEFT_PREFIX = "base_model.model."  # peft's names: those of the PeftModel that wraps the model
@@ -93,7 +96,9 @@ def write_adapter(module: nn.Module, weights: dict, tokenizer: Any, local: Path,
     lora = record.lora
     modules = dict(hf_model.named_modules(remove_duplicate=False))
     linear = {n for n in lora_layers(hf_model) if type(modules[n]).__name__ != "ParamWrapper"}  # not a parameter's
-    extra = {"target_parameters": list(lora["target_parameters"])} if lora.get("target_parameters") else {}
+    extra: dict[str, Any] = (
+        {"target_parameters": list(lora["target_parameters"])} if lora.get("target_parameters") else {}
+    )
     config = PeftLoraConfig(
         r=lora["rank"],
         lora_alpha=lora["alpha"],
@@ -151,7 +156,7 @@ def merge_adapter(adapter_dir: str | Path, base_path: str, out: str | Path) -> P
                 raise ModelPathError(f"{adapter_dir}: {key} does not fit the base {record.base}; retrain the stage")
             params[name].copy_(value)
     weights = {t.name: t.value() for t in merged_tensors(model)}
-    model.save_pretrained(str(out), state_dict=weights, safe_serialization=True)
+    cast("PreTrainedModel", model).save_pretrained(str(out), state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
 

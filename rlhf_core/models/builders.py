@@ -14,13 +14,14 @@ through their own methods, so this module does not import DeepSpeed.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from torch import nn
 from rlhf_core.algos.losses import last_token_index
 from rlhf_core.errors import first_line
 from rlhf_core.models.partitioned import full_values
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_TOKENIZER = ASSETS / "tokenizer"
@@ -103,7 +107,7 @@ def attn_implementation(requested: str, device: str) -> str:
         return requested
     if device == "cuda":
         try:
-            import flash_attn  # noqa: F401
+            importlib.import_module("flash_attn")  # an optional package (CUDA only): installed or not
 
             return "flash_attention_2"
         except ImportError:
@@ -163,7 +167,7 @@ def _gathered_hf_init() -> Iterator[None]:
         PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]
 
 
-def init_from_config(auto_cls: Any, config: Any, *, seed: int, dtype: torch.dtype) -> nn.Module:
+def init_from_config(auto_cls: Any, config: Any, *, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     """``auto_cls.from_config(config)`` with ``seed``: the same weights whether or not the model is built under ZeRO-3.
 
     transformers' own ZeRO-3 path skips the construction-time initialisation and re-initialises on rank 0 afterwards,
@@ -171,7 +175,7 @@ def init_from_config(auto_cls: Any, config: Any, *, seed: int, dtype: torch.dtyp
     caller's ``deepspeed.zero.Init`` open), we keep the plain construction (``set_zero3_state`` stops transformers
     from opening its own zero.Init) and gather each module's partition only while it is initialised: every rank draws
     the plain build's stream on full tensors, one module at a time."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     torch.manual_seed(seed)
     if not is_deepspeed_zero3_enabled():
@@ -282,7 +286,7 @@ def probe_layers(config: Any) -> int:
     return min(n, config.num_hidden_layers)
 
 
-def _with_adapters(model: nn.Module, lora: Any, seed: int, head: nn.Module | None = None) -> nn.Module:
+def _with_adapters(model: PreTrainedModel, lora: Any, seed: int, head: nn.Module | None = None) -> nn.Module:
     """``model`` with LoRA adapters (``models.lora``) when ``lora`` has a rank, its other linear layers quantised to
     4 bits first with ``lora.load_in_4bit`` (QLoRA); a value head ``head`` trains fully and is never quantised."""
     if lora is None or lora.rank == 0:
@@ -360,7 +364,7 @@ class ScalarHeadModel(nn.Module):
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf_model = hf_model
-        self.backbone = getattr(hf_model, hf_model.base_model_prefix)
+        self.backbone = getattr(hf_model, cast("PreTrainedModel", hf_model).base_model_prefix)
         self.head = score_head(hf_model)
 
     def forward(

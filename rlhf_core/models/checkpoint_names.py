@@ -10,8 +10,13 @@ take the checkpoint's names, so the weight sync sends each weight as the pieces 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def checkpoint_pieces(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -19,4 +24,4 @@ def checkpoint_pieces(model: nn.Module, name: str, tensor: torch.Tensor) -> list
     names, shapes and dtypes without computing anything), in a fixed order."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return list(revert_weight_conversion(model, {name: tensor}).items())
+    return list(revert_weight_conversion(cast("PreTrainedModel", model), {name: tensor}).items())

@@ -15,7 +15,7 @@ from the forward and are scored a chunk at a time from there.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,10 @@ from rlhf_core.algos.losses import LOGPROB_CHUNK_ELEMENTS, chunked_token_logprob
 from rlhf_core.algos.moe import load_balancing_loss
 from rlhf_core.algos.packing import Packing, plan_packing
 from rlhf_core.models.partitioned import full_copies
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
+    from transformers import PreTrainedModel
 
 # Families whose causal-LM forward computes exactly ``logits = lm_head(last_hidden_state)``.
 HIDDEN_PATH_MODEL_TYPES = frozenset(
@@ -47,7 +51,7 @@ def packing_for(model: nn.Module, attention_mask: torch.Tensor) -> Packing:
     return plan_packing(attention_mask, max_tokens=int(attention_mask.sum()) if flash else None)
 
 
-def uses_hidden_path(hf: nn.Module) -> bool:
+def uses_hidden_path(hf: PreTrainedModel) -> bool:
     """True when ``hf``'s logits are its LM head over the final hidden states and its forward takes
     ``logits_to_keep``: then :func:`causal_lm_logprobs` never asks it for the full logits."""
     model_type = getattr(getattr(hf, "config", None), "model_type", None)
@@ -58,7 +62,7 @@ def uses_hidden_path(hf: nn.Module) -> bool:
     )
 
 
-def _final_hidden(model: Any, hf: nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
+def _final_hidden(model: Any, hf: PreTrainedModel, **inputs: Any) -> tuple[torch.Tensor, Any]:
     """The base model's last hidden state of a forward of ``model`` that computes no logits, and its router logits
     (an MoE model asked for them with ``output_router_logits``; else None)."""
     caught: list[Any] = []
@@ -77,7 +81,7 @@ def _final_hidden(model: Any, hf: nn.Module, **inputs: Any) -> tuple[torch.Tenso
     return out.last_hidden_state, getattr(out, "router_logits", None)
 
 
-def _append_aux_loss(aux_loss: list, hf: nn.Module, router_logits: Any, real: torch.Tensor) -> None:
+def _append_aux_loss(aux_loss: list, hf: PreTrainedModel, router_logits: Any, real: torch.Tensor) -> None:
     """The MoE load-balancing loss of the forward over its ``real`` tokens (``algos.moe``), appended to
     ``aux_loss``; a model without a router refuses."""
     if not router_logits:
@@ -85,7 +89,7 @@ def _append_aux_loss(aux_loss: list, hf: nn.Module, router_logits: Any, real: to
     aux_loss.append(load_balancing_loss(router_logits, int(hf.config.num_experts_per_tok), real.reshape(-1)))
 
 
-def _head_function(head: nn.Module) -> Any:
+def _head_function(head: nn.Linear) -> Any:
     """The LM head as the chunk loop applies it. With autograd off, or a head that does not train (LoRA, a frozen
     model), its weight is read once (under ZeRO-3 gathered once, ``partitioned.full_copies``) and applied to every
     chunk: a module call per chunk would fetch it each time (about 1 GiB at a 128k vocabulary), and the recomputation
@@ -129,12 +133,12 @@ def causal_lm_logprobs(
     Returns:
         (B, T-1) float32; with ``with_entropy``, (log-probs, entropies), both (B, T-1) float32.
     """
-    hf = unwrap(model)
+    hf = cast("PreTrainedModel", unwrap(model))  # a causal LM: a Hugging Face model
     b, t = score_mask.bool().nonzero(as_tuple=True)
     targets = input_ids[b, t + 1]
     if pack:
         packing = packing_for(hf, attention_mask)
-        inputs = {"input_ids": packing.pack(input_ids), "position_ids": packing.position_ids}
+        inputs: dict[str, Any] = {"input_ids": packing.pack(input_ids), "position_ids": packing.position_ids}
         rows, cols = packing.locate(b, t)
         real = packing.pack(attention_mask)
     else:
@@ -144,7 +148,7 @@ def causal_lm_logprobs(
     if aux_loss is not None:
         inputs["output_router_logits"] = True
     if uses_hidden_path(hf):
-        head = hf.get_output_embeddings()
+        head = cast(nn.Linear, hf.get_output_embeddings())  # the LM head (uses_hidden_path: present, a linear layer)
         hidden, router_logits = _final_hidden(model, hf, **inputs)
         tether = _head_function(head)(hidden[:1, :1]).sum() if b.numel() == 0 else None  # see below
         hidden = hidden[rows, cols]
@@ -160,7 +164,7 @@ def causal_lm_logprobs(
         scored = chunked_token_logprobs(logits, targets, nn.Identity(), temperature, chunk, with_entropy=with_entropy)
     if aux_loss is not None:
         _append_aux_loss(aux_loss, hf, router_logits, real)
-    parts = scored if with_entropy else (scored,)
+    parts = scored if isinstance(scored, tuple) else (scored,)  # a tuple exactly when with_entropy
     outs = []
     for values in parts:
         out = torch.zeros(score_mask.shape, dtype=torch.float32, device=values.device)
@@ -191,7 +195,7 @@ def scalar_values(
         values = packing.unpack(model(packing.pack(input_ids), None, packing.position_ids, routed))
         real = packing.pack(attention_mask)
     if aux_loss is not None:
-        _append_aux_loss(aux_loss, unwrap(model).hf_model, routed, real)
+        _append_aux_loss(aux_loss, cast("PreTrainedModel", unwrap(model).hf_model), routed, real)
     return values
 
 
@@ -204,7 +208,7 @@ def adapters_without_gradient(model: nn.Module, *, scalar: bool = False) -> list
     from rlhf_core.models.builders import ScalarHeadModel
     from rlhf_core.models.lora import ADAPTER, lora_layers
 
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = cast(nn.Embedding, cast("PreTrainedModel", model).get_input_embeddings()).num_embeddings
     ids = torch.arange(12).reshape(2, 6) % vocab
     mask = torch.ones_like(ids)
     if scalar:
@@ -214,7 +218,7 @@ def adapters_without_gradient(model: nn.Module, *, scalar: bool = False) -> list
     out.sum().backward()
     missing = []
     for name in lora_layers(model):
-        layer = model.get_submodule(name)
+        layer = cast("LoraLayer", model.get_submodule(name))
         params = [*layer.lora_A[ADAPTER].parameters(), *layer.lora_B[ADAPTER].parameters()]
         if any(p.grad is None for p in params):
             missing.append(name)

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from rlhf_core.models.partitioned import full_values
+from rlhf_core.models.partitioned import ZeroParameter, full_values
 
 ADAPTER = "default"  # peft's adapter name; the one adapter of a model
 LORA_MARKERS = (".lora_A.", ".lora_B.", ".lora_dropout.", ".lora_embedding_", ".lora_magnitude_vector")
@@ -77,7 +77,7 @@ class MergedTensor:
         state = getattr(base, "quant_state", None)
         if state is not None:  # a 4-bit weight: its dequantised dtype and shape
             return state.dtype, tuple(int(s) for s in state.shape)
-        return base.dtype, tuple(int(s) for s in (base.ds_shape if zero3 else base.shape))
+        return base.dtype, tuple(int(s) for s in (cast(ZeroParameter, base).ds_shape if zero3 else base.shape))
 
 
 def full_weight(param: nn.Parameter) -> torch.Tensor:
@@ -97,7 +97,7 @@ def quantize_4bit(model: nn.Module, dtype: torch.dtype, keep: Iterable[nn.Module
     bitsandbytes repacks a 4-bit weight for a bf16 CPU kernel at its first forward in eval mode without autograd, and
     then uses that kernel, which rounds differently and has no backward, for training too; the repacking is turned
     off, so every forward dequantises the weight exactly and the same weights train."""
-    import bitsandbytes as bnb
+    from bitsandbytes.nn.modules import Linear4bit, Params4bit  # (bitsandbytes.nn re-exports them without __all__)
 
     skip = {id(m) for m in keep}
     out = getattr(model, "get_output_embeddings", lambda: None)()
@@ -106,7 +106,7 @@ def quantize_4bit(model: nn.Module, dtype: torch.dtype, keep: Iterable[nn.Module
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and id(m) not in skip]
     for name, linear in targets:
         parent, _, leaf = name.rpartition(".")
-        layer = bnb.nn.Linear4bit(
+        layer = Linear4bit(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
@@ -115,10 +115,15 @@ def quantize_4bit(model: nn.Module, dtype: torch.dtype, keep: Iterable[nn.Module
             quant_type="nf4",
             device="meta",
         )
-        weight = bnb.nn.Params4bit(
-            linear.weight.data.to(dtype), requires_grad=False, compress_statistics=True, quant_type="nf4"
+        # Params4bit takes its arguments in __new__; pyright also checks the call against torch's nn.Parameter.__init__
+        weight = Params4bit(
+            linear.weight.data.to(dtype),
+            requires_grad=False,
+            compress_statistics=True,  # pyright: ignore[reportCallIssue]
+            quant_type="nf4",  # pyright: ignore[reportCallIssue]
         )
-        layer.weight = weight.to(linear.weight.device)  # quantised on the move to a device
+        # quantised on the move to a device (bitsandbytes binds its Params4bit.to overloads' self to nn.Module)
+        layer.weight = weight.to(linear.weight.device)  # pyright: ignore[reportAttributeAccessIssue]
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.data, requires_grad=linear.bias.requires_grad)
         layer.support_avx512bf16_for_cpu = False
