@@ -375,7 +375,9 @@ def _root_oserror(chain: list[BaseException]) -> OSError | None:
 # The reward sources of a PPO-kind stage, summed into one reward
 
 # What each reward source (config.REWARD_SOURCES, in its order) is logged as: its mean score, in steps and metrics.
-SOURCE_LOGS = dict(zip(REWARD_SOURCES, ("rm_score", "reward_fn_score", "remote_rm_score"), strict=True))
+SOURCE_LOGS: dict[str, str] = dict(
+    zip(REWARD_SOURCES, ("rm_score", "reward_fn_score", "remote_rm_score"), strict=True)
+)
 
 
 def reward_stats(stage: str, p: PPOConfig, reward_path: str | None) -> tuple[float, float] | None:

@@ -56,7 +56,7 @@ def _section(path, kind: str, *overrides: str):
 def _ctx():
     """The part of a rank's ``StageContext`` that building the policy reads."""
     return SimpleNamespace(
-        model_path="builtin:tiny", init_seed=0, trust_remote_code=False, lora=None, aux_loss_coef=0.0
+        model_dir="builtin:tiny", init_seed=0, trust_remote_code=False, lora=None, aux_loss_coef=0.0
     )
 
 

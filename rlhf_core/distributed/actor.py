@@ -99,7 +99,7 @@ class PolicyActor(TrainableRole):
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module:
         c = self.ctx
         return build_causal_lm(
-            c.model_path,
+            self.model_dir,
             tokenizer,
             seed=c.init_seed,
             dtype=dtype,
@@ -130,8 +130,10 @@ class PolicyActor(TrainableRole):
         a = self.ctx.algo
         assert exp.advantages is not None, "the actor trains on experience with advantages"
         if whitens(a.advantage_estimator, a.whiten_advantages):
-            exp = exp.with_advantages(
-                distributed_masked_whiten(exp.advantages, exp.action_mask, self.strategy.all_reduce_sum), exp.returns
+            # whitened advantages, the returns as they are (None without a critic)
+            exp = replace(
+                exp,
+                advantages=distributed_masked_whiten(exp.advantages, exp.action_mask, self.strategy.all_reduce_sum),
             )
         kl_loss = a.kl_in_loss
         assert not kl_loss or exp.ref_logprobs is not None, "kl_mode=loss trains on the reference log-probs"
@@ -139,10 +141,13 @@ class PolicyActor(TrainableRole):
         from_training = exp.old_logprobs is None
         assert not from_training or a.ppo_epochs == 1, "old log-probs from the training forward need one epoch"
         correction = is_correction_setting(a.is_correction, a.is_correction_threshold, a.is_correction_cap)
-        sums = dict.fromkeys(("gap", "is_clipped", "is_masked", "tokens", "kl", "kl_token_mean", "rows"), 0.0)
+        sums: dict[str, float] = dict.fromkeys(
+            ("gap", "is_clipped", "is_masked", "tokens", "kl", "kl_token_mean", "rows"), 0.0
+        )
 
         def loss_fn(model: Any, micro: Experience, norm: WindowNorm) -> tuple[torch.Tensor, dict]:
             mask, aux = micro.action_mask, aux_list(self.ctx.aux_loss_coef)
+            assert micro.advantages is not None  # exp's rows (asserted above)
             if a.entropy_coef > 0:
                 logp, entropy = _logprobs(model, micro, temperature, pack, with_entropy=True, aux_loss=aux)
             else:
@@ -155,6 +160,7 @@ class PolicyActor(TrainableRole):
                 logp, old, micro.advantages, mask, a.eps_clip, a.eps_clip_high, a.dual_clip, is_weights, a.policy_loss
             )
             if kl_loss:
+                assert micro.ref_logprobs is not None  # exp's rows (asserted above)
                 unbiased = old if a.kl_loss_unbiased else None
                 kl_t = kl_loss_tokens(logp, micro.ref_logprobs, mask, a.kl_estimator, old_logprobs=unbiased)
                 loss_t = loss_t + kl_coef * kl_t

@@ -58,6 +58,12 @@ class StageContext:
     aux_loss_coef: float = 0.0  # <stage>.model.aux_loss_coef: the MoE load-balancing loss's weight
     model_source: ModelSource | None = None  # model_path before start_rank fetched it: an adapter export's base
 
+    @property
+    def model_dir(self) -> str:
+        """The model on this node: ``model_path`` once ``start_rank`` has fetched a stage model to the node."""
+        assert isinstance(self.model_path, str), f"[{self.stage}] the model is not fetched to this node yet"
+        return self.model_path
+
 
 def start_rank(ctx: StageContext) -> tuple[StageContext, DeepSpeedStrategy, ObjectStore, Path]:
     """Join the group's torch.distributed world and seed every generator with ``train.seed``. Returns the context
@@ -120,7 +126,7 @@ def commit_checkpoint(
     """Commit the uploaded checkpoint ``rel`` (manifest last) and prune the older ones beyond ``keep_last``.
 
     ``workers`` maps the config key of each group's worker count (under the stage section) to the ranks that wrote
-    the shards: a resume with another count is refused (``jobs.common.check_resumable``), as its shards would not load.
+    the shards: a resume with another count is refused (``jobs.input_checks.check_resumable``), as its shards would not load.
     """
     store.commit(rel, stage=stage, config_hash=config_hash, files=files, extra={"step": step, "workers": workers})
     prune_checkpoints(store, stage, keep_last)
@@ -251,7 +257,7 @@ def export_hf(
         weights = {t.name: t.value() for t in merged_tensors(module)}
     elif layers:
         weights = merged_state_dict(weights, layers)
-    hf_model = getattr(module, "hf_model", module)
+    hf_model: Any = getattr(module, "hf_model", module)  # a transformers model: save_pretrained
     prefix = "hf_model." if hf_model is not module else ""
     weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
     shutil.rmtree(local, ignore_errors=True)

@@ -28,8 +28,7 @@ from rlhf_core.config import StrategyConfig, WorkerConfig
 from rlhf_core.distributed import launcher
 from rlhf_core.distributed.device import DEVICE_ENV, resolve_device
 from rlhf_core.distributed.launcher import Fits, check_call, check_constructor
-from rlhf_core.distributed.rollout.group import Backend, EngineGroup, EngineHandles
-from rlhf_core.distributed.rollout.hf_engine import HFGenerateEngine
+from rlhf_core.distributed.rollout.group import EngineGroup, parameters_of, start_engines
 from rlhf_core.distributed.strategy import leave_world
 from rlhf_core.ports import free_port
 
@@ -116,22 +115,10 @@ class Cluster(Protocol):
         of bundle i."""
         ...
 
-    def engines(
-        self,
-        count: int,
-        model_path: Any,
-        *,
-        eos_token_id: int,
-        backend: Backend = "vllm",
-        tensor_parallel_size: int = 1,
-        num_cpus_per_engine: float = 1,
-        env_vars: dict[str, str] | None = None,
-        placement: Any = None,
-        share: float = 1.0,
-        resources: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> EngineGroup:
-        """``count`` rollout engines of ``backend`` sampling ``model_path`` (arguments as ``EngineGroup.create``)."""
+    @parameters_of(start_engines)
+    def engines(self, *args: Any, **kwargs: Any) -> EngineGroup:
+        """``count`` rollout engines of ``backend`` sampling ``model_path``: the parameters of ``start_engines``,
+        declared there once."""
         ...
 
     def wait(self, pending: Sequence[Any]) -> list[Any]:
@@ -199,34 +186,9 @@ class RayCluster:
     ) -> WorkerGroup[T]:
         return launcher.RayWorkerGroup(strategy, cls, *args, name=name, placement=placement, share=share, **kwargs)
 
-    def engines(
-        self,
-        count: int,
-        model_path: Any,
-        *,
-        eos_token_id: int,
-        backend: Backend = "vllm",
-        tensor_parallel_size: int = 1,
-        num_cpus_per_engine: float = 1,
-        env_vars: dict[str, str] | None = None,
-        placement: Any = None,
-        share: float = 1.0,
-        resources: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> EngineGroup:
-        return EngineGroup.create(
-            count,
-            model_path,
-            eos_token_id=eos_token_id,
-            backend=backend,
-            tensor_parallel_size=tensor_parallel_size,
-            num_cpus_per_engine=num_cpus_per_engine,
-            env_vars=env_vars,
-            placement=placement,
-            share=share,
-            resources=resources,
-            **kwargs,
-        )
+    @parameters_of(start_engines)
+    def engines(self, *args: Any, **kwargs: Any) -> EngineGroup:
+        return start_engines("ray", *args, **kwargs)
 
     def wait(self, pending: Sequence[Any]) -> list[Any]:
         return launcher.wait(list(pending))
@@ -282,23 +244,6 @@ class LocalWorkerGroup(Generic[T]):
 
     def shutdown(self) -> None:
         self.obj = None
-
-
-class LocalEngineHandles(EngineHandles):
-    """Engines that are objects of this process: each call runs at once and returns its result, and ``get``/``put``
-    pass values through (the weight sync's state dict included)."""
-
-    def _submit(self, actor: Any, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        return method(actor, *args, **kwargs)
-
-    def get(self, pending: Sequence[Any]) -> list[Any]:
-        return list(pending)
-
-    def put(self, value: Any) -> Any:
-        return value
-
-    def kill(self) -> None:
-        self.actors = []
 
 
 # The torch.distributed world of one rank that the in-process roles join, as a Ray worker joins its group's.
@@ -366,29 +311,9 @@ class LocalCluster:
         self._join_world(strategy)
         return self.group_class(strategy, cls, *args, name=name, **kwargs)
 
-    def engines(
-        self,
-        count: int,
-        model_path: Any,
-        *,
-        eos_token_id: int,
-        backend: Backend = "vllm",
-        tensor_parallel_size: int = 1,
-        num_cpus_per_engine: float = 1,
-        env_vars: dict[str, str] | None = None,
-        placement: Any = None,
-        share: float = 1.0,
-        resources: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> EngineGroup:
-        if backend != "hf" or tensor_parallel_size != 1:
-            raise ValueError(
-                "in-process rollout engines: the HF backend without tensor parallelism only (got backend "
-                f"{backend!r}, tensor_parallel_size {tensor_parallel_size})"
-            )
-        check_constructor(HFGenerateEngine, (model_path,), kwargs)
-        engines = [HFGenerateEngine(model_path, **kwargs) for _ in range(count)]
-        return EngineGroup(LocalEngineHandles(HFGenerateEngine, engines), eos_token_id)
+    @parameters_of(start_engines)
+    def engines(self, *args: Any, **kwargs: Any) -> EngineGroup:
+        return start_engines("in_process", *args, **kwargs)
 
     def wait(self, pending: Sequence[Any]) -> list[Any]:
         return list(pending)

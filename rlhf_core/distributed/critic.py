@@ -36,7 +36,7 @@ class CriticActor(TrainableRole):
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module:
         c = self.ctx
         hf = build_scalar_model(
-            c.model_path,
+            self.model_dir,
             tokenizer,
             seed=c.init_seed,
             dtype=dtype,
@@ -55,6 +55,7 @@ class CriticActor(TrainableRole):
         clip, stats, pack = self.ctx.algo.value_clip, self.ctx.reward_stats, self.ctx.strategy.packing
 
         def loss_fn(model: Any, micro: Experience, norm: WindowNorm) -> tuple[torch.Tensor, dict]:
+            assert micro.values is not None and micro.returns is not None  # exp's rows (asserted above)
             aux = aux_list(self.ctx.aux_loss_coef)
             values = _values(model, micro, stats, pack, aux)
             loss, out = value_loss(

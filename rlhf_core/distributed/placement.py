@@ -5,14 +5,14 @@ model). From the config this module answers what they ask Ray for (``resource_de
 the cluster can place them (``check_fits``, before any actor starts), and which colocation bundles they share
 (``PlacementPlan``, which ``jobs.ppo.controller.PPOController.start`` turns into placement groups and worker
 groups). The generate stage's groups (``generate_groups``) and the rollout engines' constructor kwargs
-(``engine_kwargs``, PPO's and generate's) sit here too, so that ``jobs.common.ray_cpus`` reads one module below the
+(``engine_kwargs``, PPO's and generate's) sit here too, so that ``jobs.stage_setup.ray_cpus`` reads one module below the
 jobs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from rlhf_core.config import (
@@ -21,7 +21,7 @@ from rlhf_core.config import (
     ModelConfig,
     PPOConfig,
     RolloutConfig,
-    StrategyConfig,
+    WorkerConfig,
     uses_critic,
 )
 from rlhf_core.distributed.launcher import check_resources
@@ -78,13 +78,16 @@ def role_workers(p: PPOConfig, roles: RoleSet) -> dict[str, int]:
 
 
 def role_models(p: PPOConfig, roles: RoleSet) -> dict[str, ModelConfig]:
-    """The model each role loads (what ``jobs.common.setup_stage`` fetches and hashes); the reference defaults to
+    """The model each role loads (what ``jobs.stage_setup.setup_stage`` fetches and hashes); the reference defaults to
     the actor's starting model."""
-    models = {"actor": p.actor.model}
-    models.update({"critic": p.critic.model} if roles.critic else {})
-    models.update({"reward": p.reward.model} if roles.reward_model else {})
-    models.update({"reference": p.reference.model or p.actor.model} if roles.reference else {})
-    return models
+    built: dict[str, ModelConfig | None] = {
+        "actor": p.actor.model,
+        "critic": p.critic.model if roles.critic else None,
+        "reward": p.reward.model if roles.reward_model else None,
+        "reference": (p.reference.model or p.actor.model) if roles.reference else None,
+    }
+    # a role built has its model (validation refuses a critic without one; reward_model means a reward model)
+    return {role: model for role, model in built.items() if model is not None}
 
 
 def row_multiple(p: PPOConfig, roles: RoleSet) -> int:
@@ -207,10 +210,11 @@ def check_fits(
 
 @dataclass(frozen=True)
 class RolePlacement:
-    """One role's group: its strategy (Ray counts; a fifth of a bundle's CPU per worker inside one), the colocation
-    group whose bundle i holds its worker i (None: Ray places it), and its share of that bundle's device."""
+    """One role's group: its strategy (Ray counts; a fifth of a bundle's CPU per worker inside one; the frozen roles'
+    a ``WorkerConfig``, without a ZeRO stage), the colocation group whose bundle i holds its worker i (None: Ray
+    places it), and its share of that bundle's device."""
 
-    strategy: StrategyConfig
+    strategy: WorkerConfig
     group: str | None = None
     share: float = 1.0
 
@@ -262,14 +266,16 @@ class PlacementPlan:
         return cls(groups, placed, engine_cpus=p.rollout.cpus_per_engine)
 
 
-def _frozen(p: PPOConfig, workers: int, resources: dict[str, float]) -> StrategyConfig:
-    # the actor's strategy with the frozen role's own counts and pins (never the actor's nodes)
-    return replace(
-        p.actor.strategy, num_workers=workers, cpus_per_worker=p.frozen.cpus_per_worker, resources=resources
-    )
+def _frozen(p: PPOConfig, workers: int, resources: dict[str, float]) -> WorkerConfig:
+    # The actor's worker settings (device, precision, threads) with the frozen role's own counts and pins (never the
+    # actor's nodes). A worker group's config, without a ZeRO stage: a frozen role's one is frozen.zero_stage, which
+    # jobs.ppo.roles gives the role itself.
+    actor = p.actor.strategy
+    settings = WorkerConfig(**{f.name: getattr(actor, f.name) for f in fields(WorkerConfig)})
+    return replace(settings, num_workers=workers, cpus_per_worker=p.frozen.cpus_per_worker, resources=resources)
 
 
-def _slice_if_placed(strategy: StrategyConfig, placed: bool) -> StrategyConfig:
+def _slice_if_placed(strategy: WorkerConfig, placed: bool) -> WorkerConfig:
     # Inside a placement-group bundle (1 CPU) the roles share the bundle; each asks for a fifth of it.
     return replace(strategy, cpus_per_worker=COLOCATED_SHARE) if placed else strategy
 

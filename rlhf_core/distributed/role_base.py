@@ -82,6 +82,13 @@ class TrainableRole:
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> nn.Module:
         raise NotImplementedError
 
+    @property
+    def model_dir(self) -> str:
+        """The model's directory on this node: ``ctx.model_path`` once resolved (``setup`` fetches a StageModel)."""
+        path = self.ctx.model_path
+        assert isinstance(path, str), f"{self.ctx.role}: the model source is not resolved to this node's copy yet"
+        return path
+
     def setup(self) -> int:
         ctx = self.ctx = replace(
             self.ctx, model_source=self.ctx.model_path, model_path=local_model_path(self.ctx.model_path)
@@ -91,7 +98,7 @@ class TrainableRole:
         torch.manual_seed(ctx.seed)
         self.store = ObjectStore(ctx.run_uri, ctx.storage_options)
         self.work = Path(ctx.work_dir) / f"{ctx.role}{self.strategy.rank}"
-        self.tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
+        self.tokenizer = load_tokenizer(self.model_dir, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, self.strategy.device)
         with self.strategy.model_init():  # ZeRO-3: each rank materialises only its partition
             model = self.build_model(self.tokenizer, self.strategy.dtype, attn)
@@ -228,7 +235,7 @@ class TrainableRole:
     def export(self, rel: str, config_hash: str, metrics: dict, extra: dict) -> None:
         """Collective: gather the weights and (rank 0) commit a Hugging Face directory at ``rel``."""
         weights = self.strategy.full_state_dict(self.engine)
-        if self.strategy.rank == 0:
+        if weights is not None:  # rank 0
             adapter = adapter_record(self.ctx)
             local = export_hf(self.engine.module, weights, self.tokenizer, self.work / "export", adapter=adapter)
             self.store.put_artifact(

@@ -83,11 +83,11 @@ class DeepSpeedStrategy:
         config = self.engine_config if self.engine_config is not None else self.ds_config()
 
         if self.cfg.gradient_checkpointing:
-            hf = getattr(model, "hf_model", model)
+            hf: Any = getattr(model, "hf_model", model)  # a transformers model: gradient_checkpointing_enable
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         o = self.optim_cfg
         params = [p for p in model.parameters() if p.requires_grad]
-        kwargs = dict(lr=o.lr, betas=tuple(o.adam_betas), weight_decay=o.weight_decay)
+        kwargs: dict[str, Any] = dict(lr=o.lr, betas=tuple(o.adam_betas), weight_decay=o.weight_decay)
         if self.cfg.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -428,6 +428,7 @@ class FrozenStrategy:
             return make().to(self.device).eval()
         deepspeed = import_deepspeed()
 
+        assert self.engine_config is not None  # made with _hf_zero3
         with self._hf_zero3.partitioned():
             model = make()
         moe_leaf_modules(model, self.engine_config)

@@ -56,7 +56,7 @@ class RewardModelTrainer:
         self.ctx, t = ctx, ctx.train
 
         # 1. model and engine
-        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
+        tokenizer = load_tokenizer(ctx.model_dir, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
         with strategy.model_init():  # ZeRO-3: each rank materialises only its partition
             model = self.build_model(tokenizer, strategy.dtype, attn)
@@ -124,7 +124,7 @@ class RewardModelTrainer:
 
             # 5. export in Hugging Face format, manifest last; the config carries the reward stats PPO normalises with
             weights = strategy.full_state_dict(engine)
-            if strategy.rank == 0:
+            if weights is not None:  # rank 0's: the weights gathered
                 config = engine.module.hf_model.config
                 config.reward_mean, config.reward_std = metrics["reward_mean"], metrics["reward_std"]
                 export_stage(ctx, store, engine.module, weights, tokenizer, metrics, history, work / "export")
@@ -135,7 +135,7 @@ class RewardModelTrainer:
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.nn.Module:
         ctx = self.ctx
         hf = build_scalar_model(
-            ctx.model_path,
+            ctx.model_dir,
             tokenizer,
             seed=ctx.init_seed,
             dtype=dtype,

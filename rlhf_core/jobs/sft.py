@@ -54,7 +54,7 @@ class SFTTrainer:
         self.ctx, t = ctx, ctx.train
 
         # 1. model and engine
-        tokenizer = load_tokenizer(ctx.model_path, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
+        tokenizer = load_tokenizer(ctx.model_dir, ctx.tokenizer_path, trust_remote_code=ctx.trust_remote_code)
         attn = attn_implementation(ctx.strategy.attn_implementation, strategy.device)
         with strategy.model_init():  # ZeRO-3: each rank materialises only its partition
             model = self.build_model(tokenizer, strategy.dtype, attn)
@@ -122,7 +122,7 @@ class SFTTrainer:
 
             # 5. export in Hugging Face format, manifest last
             weights = strategy.full_state_dict(engine)
-            if strategy.rank == 0:
+            if weights is not None:  # rank 0's: the weights gathered
                 export_stage(ctx, store, engine.module, weights, tokenizer, metrics, history, work / "export")
         strategy.barrier()
         shutil.rmtree(work, ignore_errors=True)
@@ -131,7 +131,7 @@ class SFTTrainer:
     def build_model(self, tokenizer: Any, dtype: torch.dtype, attn: str) -> torch.nn.Module:
         ctx = self.ctx
         return build_causal_lm(
-            ctx.model_path,
+            ctx.model_dir,
             tokenizer,
             seed=ctx.init_seed,
             dtype=dtype,

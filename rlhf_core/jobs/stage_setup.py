@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rlhf_core import timing, tracking
 from rlhf_core.config import (
@@ -39,6 +39,9 @@ from rlhf_core.models.checks import check_model_source
 from rlhf_core.run_layout import existing_output, open_store, upstream_hash
 from rlhf_core.storage import ArtifactError, ObjectStore
 from rlhf_core.types import CheckpointRef
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def ray_cpus(section: Any) -> float | None:
@@ -217,7 +220,8 @@ def engine_model(st: StageSetup, role: str, backend: str, init_seed: int, tokeni
     if backend != "vllm" or not str(source).startswith(BUILTIN_PREFIX):
         return source
     path = Path(st.work) / f"builtin_{role}"
-    model = build_causal_lm(str(source), tokenizer, seed=init_seed, dtype=torch.float32, attn="sdpa")
+    built = build_causal_lm(str(source), tokenizer, seed=init_seed, dtype=torch.float32, attn="sdpa")
+    model = cast("PreTrainedModel", built)  # typed nn.Module: a builtin is a transformers model
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return str(path)

@@ -6,10 +6,10 @@ import os
 import pytest
 
 from rlhf_core.config import StrategyConfig
-from rlhf_core.distributed.cluster import WORLD_ENV, LocalCluster, LocalEngineHandles
+from rlhf_core.distributed.cluster import WORLD_ENV, LocalCluster
 from rlhf_core.distributed.device import DEVICE_ENV
 from rlhf_core.distributed.rollout.engine import RolloutEngine, SamplingConfig
-from rlhf_core.distributed.rollout.group import EngineGroup
+from rlhf_core.distributed.rollout.group import EngineGroup, LocalEngineHandles
 
 
 class Counter:

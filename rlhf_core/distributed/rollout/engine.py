@@ -9,9 +9,9 @@ method objects (``EngineHandles.call(RolloutEngine.generate, ...)``), never by a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from rlhf_core.distributed.weight_sync.buckets import MIB, WeightSpec
+from rlhf_core.distributed.weight_sync.peers import ReceivingEngine
 
 
 @dataclass
@@ -39,15 +39,13 @@ def request_seeds(sampling: SamplingConfig, num_prompts: int) -> list[int | None
     return [sampling.seed + i * sampling.n for i in range(num_prompts)]
 
 
-class RolloutEngine(Protocol):
-    """One rollout engine (one Ray actor; a vLLM engine may run several tensor-parallel workers)."""
+class RolloutEngine(ReceivingEngine, Protocol):
+    """One rollout engine (one Ray actor; a vLLM engine may run several tensor-parallel workers). Its weight-sync
+    methods (``num_workers``, ``init_weight_sync``, ``receive_weights``, ``load_state_dict``) are declared by the
+    sync, in ``weight_sync.peers.ReceivingEngine``."""
 
     def ready(self) -> float:
         """Seconds the engine took to start (also a cheap way to wait for the actor)."""
-        ...
-
-    def num_workers(self) -> int:
-        """Ranks this engine takes in the weight-sync group (its tensor-parallel size)."""
         ...
 
     def placement_group_id(self) -> str | None:
@@ -86,28 +84,6 @@ class RolloutEngine(Protocol):
     def take_generation(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """The finished generation's ``(responses, logprobs, versions)``: those of ``generate_with_logprobs`` and,
         per response token, the engine's weight version (syncs received) when it was sampled."""
-        ...
-
-    def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        timeout_s: float = 600,
-        backend: str = "gloo",
-    ) -> list[int]:
-        """Join the weight-sync group (its workers as ranks ``rank_offset``..); blocks until every rank has joined.
-        Returns the ranks taken."""
-        ...
-
-    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int = 1024 * MIB, sync_id: int = 0) -> float:
-        """Receive one sync in buckets of ``bucket_bytes`` (see ``weight_sync``); returns the seconds taken."""
-        ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Direct load without a collective (HF backend only; vLLM refuses)."""
         ...
 
     def sleep(self) -> None:

@@ -1,23 +1,26 @@
 """The rollout engines as Ray actors: where they run, and the only place they are called.
 
-``EngineGroup.create`` starts the engines (``VLLMEngine`` or ``HFGenerateEngine``) in Ray actors and owns the
-placement groups it made for them; ``EngineGroup.shutdown`` kills the actors and removes those groups. Every call to
-an engine goes through ``EngineHandles`` with a method object of the ``RolloutEngine`` protocol
-(``handles.call(RolloutEngine.generate, prompts, sampling)``): the hosted class's implementation is looked up and
-the arguments checked against its signature on the caller's side (``launcher.check_call``), before anything is
-sent. The trainer's actor gets the same ``EngineHandles`` for the weight sync (``weight_sync.sender``). Results come
-back through ``EngineHandles.get``, so that engines of the driver's own process (``cluster.LocalEngineHandles``, a
-``LocalCluster``'s) are called the same way.
+``start_engines`` starts the engines (``VLLMEngine`` or ``HFGenerateEngine``) in Ray actors (``EngineGroup.create``)
+or in this process (a ``LocalCluster``'s); the group owns the placement groups made for them, and
+``EngineGroup.shutdown`` kills the actors and removes those groups. Every call to an engine goes through
+``EngineHandles`` with a method object of the ``RolloutEngine`` protocol (``handles.call(RolloutEngine.generate,
+prompts, sampling)``): the hosted class's implementation is looked up and the arguments checked against its signature
+on the caller's side (``launcher.check_call``), before anything is sent. The trainer's actor gets the same
+``EngineHandles`` for the weight sync (``weight_sync.sender``, which takes them as its ``peers.ReceivingEngines``).
+Results come back through ``EngineHandles.get``, so that engines of the driver's own process (``LocalEngineHandles``)
+are called the same way.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from rlhf_core.distributed.launcher import check_call, check_constructor
+from rlhf_core.distributed.node_files import ModelSource
 from rlhf_core.distributed.rollout.engine import RolloutEngine, SamplingConfig
 from rlhf_core.distributed.rollout.hf_engine import HFGenerateEngine
 from rlhf_core.distributed.rollout.vllm_engine import VLLMEngine
@@ -27,8 +30,10 @@ if TYPE_CHECKING:  # annotations only: Ref[R] is the ObjectRef of a remote call 
 
 P = ParamSpec("P")
 R = TypeVar("R")
+S = TypeVar("S")
 
 Backend = Literal["vllm", "hf"]
+Hosting = Literal["ray", "in_process"]  # where start_engines runs the engines
 
 
 class EngineHandles:
@@ -81,7 +86,8 @@ class EngineHandles:
     def _checked(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any]:
         """The hosted class's own function for ``method``, once ``(self, *args, **kwargs)`` binds to it."""
         name = getattr(method, "__name__", "")
-        if vars(RolloutEngine).get(name) is method:  # the protocol's stub: the hosted class implements it
+        # the protocol's stub (its own, or one of the weight sync's that it extends): the hosted class implements it
+        if any(vars(protocol).get(name) is method for protocol in inspect.getmro(RolloutEngine)):
             method = next((vars(klass)[name] for klass in self.cls.__mro__ if name in vars(klass)), method)
         check_call(self.cls, method, args, kwargs)
         return method
@@ -90,6 +96,23 @@ class EngineHandles:
         # Ray's __ray_call__ runs method(engine, *args, **kwargs) on the actor's instance, as launcher's shell runs
         # a role's method: the function object travels, no method name is looked up.
         return actor.__ray_call__.remote(method, *args, **kwargs)
+
+
+class LocalEngineHandles(EngineHandles):
+    """Engines that are objects of this process: each call runs at once and returns its result, and ``get``/``put``
+    pass values through (the weight sync's state dict included)."""
+
+    def _submit(self, actor: Any, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return method(actor, *args, **kwargs)
+
+    def get(self, pending: Sequence[Any]) -> list[Any]:
+        return list(pending)
+
+    def put(self, value: Any) -> Any:
+        return value
+
+    def kill(self) -> None:
+        self.actors = []
 
 
 # Decoding steps of a partial rollout between two chances for a weight sync (EngineGroup.generate_partial): a sync
@@ -101,6 +124,139 @@ NAN = float("nan")  # the log-prob of the EOS put in an empty response: the engi
 def engine_seed(seed: int, i: int) -> int:
     """Engine ``i``'s seed, of its sampling calls and of its own generator: no two engines draw the same stream."""
     return seed + 7919 * i
+
+
+def start_engines(
+    hosting: Hosting,
+    count: int,
+    model_path: ModelSource,
+    *,
+    eos_token_id: int,
+    backend: Backend = "vllm",
+    tensor_parallel_size: int = 1,
+    num_cpus_per_engine: float = 1,
+    env_vars: dict[str, str] | None = None,
+    placement: Any = None,
+    share: float = 1.0,
+    resources: dict[str, float] | None = None,
+    **kwargs: Any,
+) -> EngineGroup:
+    """``count`` rollout engines of ``backend`` sampling ``model_path``, hosted as ``hosting`` says: the one
+    declaration of the engines' parameters, which ``EngineGroup.create`` and every ``Cluster.engines`` take
+    (``parameters_of``).
+
+    ``"ray"``: ``count`` Ray actors hosting a ``VLLMEngine`` or ``HFGenerateEngine`` each. Returns at once; the
+    engines start in the background (``wait_ready`` waits for them). ``kwargs`` go to the engine's constructor
+    (checked here; ``enable_sleep`` also turns on the group's sleep mode); ``env_vars`` to the actors' environment.
+
+    Placement: each engine gets its own placement group, one bundle per tensor-parallel rank ({GPU: 1, CPU:
+    cpus / tp} on GPU, {CPU: cpus / tp} on CPU), the actor in bundle 0 with ``placement_group_capture_child_tasks``
+    so that what vLLM starts from it stays inside (on GPU with TP > 1, vLLM's Ray executor puts one worker in each
+    bundle; on CPU the TP workers are child processes of the actor and the other bundles reserve their CPUs). With
+    ``placement`` (the training roles' PACK group, ``launcher.colocation_group``: the hybrid engine of
+    ``colocate_all``) engine i uses bundles ``i*tp .. i*tp+tp-1`` of that group instead, taking ``share`` of each
+    bundle's GPU and ``num_cpus_per_engine`` of bundle ``i*tp``'s CPUs; that group stays its owner's. ``resources``
+    (Ray custom resources per engine, e.g. ``{"node_a": 1}``): an actor in a placement group can only use its
+    bundle's resources, so they go into bundle 0 of the engine's own group, which then lands on a node that has
+    them (not with ``placement``: the shared group's owner decides its nodes).
+
+    vLLM CPU with tensor_parallel_size > 1 binds each TP worker's threads to the cores of one NUMA node of its own
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``) and refuses when there are fewer nodes than workers; on such a machine
+    the engines get ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (threads left to the OS, ``OMP_NUM_THREADS`` each) unless
+    ``env_vars`` chooses a binding (e.g. ``"0|1"`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` on 2 cores).
+
+    ``"in_process"`` (a ``LocalCluster``'s): ``HFGenerateEngine`` objects of this process, called through
+    ``LocalEngineHandles``; the HF backend only, without tensor parallelism (vLLM's weight sync is a collective
+    between processes). Where to run (CPUs, environment, placement, resources) does not apply there, and every
+    engine gets ``kwargs`` as they are."""
+    if hosting == "in_process":
+        if backend != "hf" or tensor_parallel_size != 1:
+            raise ValueError(
+                "in-process rollout engines: the HF backend without tensor parallelism only (got backend "
+                f"{backend!r}, tensor_parallel_size {tensor_parallel_size})"
+            )
+        check_constructor(HFGenerateEngine, (model_path,), kwargs)
+        engines = [HFGenerateEngine(model_path, **kwargs) for _ in range(count)]
+        return EngineGroup(LocalEngineHandles(HFGenerateEngine, engines), eos_token_id)
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if backend not in ("vllm", "hf"):
+        raise ValueError(f"unknown rollout backend {backend!r} (expected 'vllm' or 'hf')")
+    if backend == "hf" and tensor_parallel_size != 1:
+        raise ValueError("the HF backend has no tensor parallelism (tensor_parallel_size must be 1)")
+    tp = tensor_parallel_size
+    if placement is not None and resources:
+        raise ValueError(
+            "engines in a shared placement group cannot ask for custom resources (the group's bundles decide)"
+        )
+    if placement is not None and len(placement.bundle_specs) < count * tp:
+        raise ValueError(
+            f"{count} engine(s) x tensor_parallel_size {tp} need {count * tp} bundles of the shared placement "
+            f"group, which has {len(placement.bundle_specs)}"
+        )
+    engine_cls = VLLMEngine if backend == "vllm" else HFGenerateEngine
+    if backend == "vllm":
+        kwargs = {"tensor_parallel_size": tp, **kwargs}
+    check_constructor(engine_cls, (model_path,), kwargs)
+    gpus = _cluster_has_gpus()
+    threads = max(1, int(num_cpus_per_engine / (tp if placement is None else 1)))
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    if backend == "vllm" and tp > 1 and not gpus and _numa_nodes() < tp:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    env.update(env_vars or {})
+    actors: list[Any] = []
+    own: list[Any] = []
+    try:
+        for i in range(count):
+            if placement is None:
+                group, first = _engine_placement_group(tp, num_cpus_per_engine, gpus, resources or {}), 0
+                own.append(group)
+                cpus, gpu_share = num_cpus_per_engine / tp, 1.0
+            else:
+                group, first = placement, i * tp
+                cpus, gpu_share = num_cpus_per_engine, share
+            actor_kwargs = dict(kwargs)
+            if "seed" in kwargs:  # each engine's own generator (SamplingConfig.seed_per_prompt off) differs
+                actor_kwargs["seed"] = engine_seed(kwargs["seed"], i)
+            if backend == "vllm" and gpus and tp > 1:
+                # the actor holds no GPU; vLLM's TP workers take gpu_share of the GPU of each of its bundles
+                actor_kwargs.update(bundle_indices=list(range(first, first + tp)), gpus_per_worker=gpu_share)
+                actor_gpus = 0.0
+            else:
+                actor_gpus = gpu_share if gpus else 0.0
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=first, placement_group_capture_child_tasks=True
+            )
+            options = ray.remote(engine_cls).options(
+                num_cpus=cpus,
+                num_gpus=actor_gpus,
+                resources=dict(resources or {}),
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": env},
+            )
+            actors.append(options.remote(model_path, **actor_kwargs))
+    except BaseException:  # what was started before the failure is no one else's to clean up
+        EngineHandles(engine_cls, actors).kill()
+        for group in own:
+            remove_placement_group(group)
+        raise
+    sleep = bool(kwargs.get("enable_sleep", False))
+    return EngineGroup(EngineHandles(engine_cls, actors), eos_token_id, sleep=sleep, placement_groups=own)
+
+
+def parameters_of(
+    source: Callable[Concatenate[Any, P], R],
+) -> Callable[[Callable[Concatenate[S, ...], R]], Callable[Concatenate[S, P], R]]:
+    """Types the decorated ``(self, *args, **kwargs)`` method as taking ``source``'s parameters after its first (the
+    engines': ``start_engines``' after ``hosting``), so that they are declared once; the method is returned as it
+    is."""
+
+    def typed(method: Callable[Concatenate[S, ...], R]) -> Callable[Concatenate[S, P], R]:
+        return method
+
+    return typed
 
 
 class EngineGroup:
@@ -119,106 +275,10 @@ class EngineGroup:
         self.placement_groups = list(placement_groups)  # made by create, one per engine: removed by shutdown
 
     @classmethod
-    def create(
-        cls,
-        count: int,
-        model_path: str,
-        *,
-        eos_token_id: int,
-        backend: Backend = "vllm",
-        tensor_parallel_size: int = 1,
-        num_cpus_per_engine: float = 1,
-        env_vars: dict[str, str] | None = None,
-        placement: Any = None,
-        share: float = 1.0,
-        resources: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> EngineGroup:
-        """``count`` Ray actors hosting a ``VLLMEngine`` or ``HFGenerateEngine`` each. Returns at once; the engines
-        start in the background (``wait_ready`` waits for them). ``kwargs`` go to the engine's constructor (checked
-        here; ``enable_sleep`` also turns on the group's sleep mode); ``env_vars`` to the actors' environment.
-
-        Placement: each engine gets its own placement group, one bundle per tensor-parallel rank ({GPU: 1, CPU:
-        cpus / tp} on GPU, {CPU: cpus / tp} on CPU), the actor in bundle 0 with ``placement_group_capture_child_tasks``
-        so that what vLLM starts from it stays inside (on GPU with TP > 1, vLLM's Ray executor puts one worker in each
-        bundle; on CPU the TP workers are child processes of the actor and the other bundles reserve their CPUs). With
-        ``placement`` (the training roles' PACK group, ``launcher.colocation_group``: the hybrid engine of
-        ``colocate_all``) engine i uses bundles ``i*tp .. i*tp+tp-1`` of that group instead, taking ``share`` of each
-        bundle's GPU and ``num_cpus_per_engine`` of bundle ``i*tp``'s CPUs; that group stays its owner's. ``resources``
-        (Ray custom resources per engine, e.g. ``{"node_a": 1}``): an actor in a placement group can only use its
-        bundle's resources, so they go into bundle 0 of the engine's own group, which then lands on a node that has
-        them (not with ``placement``: the shared group's owner decides its nodes).
-
-        vLLM CPU with tensor_parallel_size > 1 binds each TP worker's threads to the cores of one NUMA node of its own
-        (``VLLM_CPU_OMP_THREADS_BIND=auto``) and refuses when there are fewer nodes than workers; on such a machine
-        the engines get ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (threads left to the OS, ``OMP_NUM_THREADS`` each) unless
-        ``env_vars`` chooses a binding (e.g. ``"0|1"`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` on 2 cores)."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        if backend not in ("vllm", "hf"):
-            raise ValueError(f"unknown rollout backend {backend!r} (expected 'vllm' or 'hf')")
-        if backend == "hf" and tensor_parallel_size != 1:
-            raise ValueError("the HF backend has no tensor parallelism (tensor_parallel_size must be 1)")
-        tp = tensor_parallel_size
-        if placement is not None and resources:
-            raise ValueError(
-                "engines in a shared placement group cannot ask for custom resources (the group's bundles decide)"
-            )
-        if placement is not None and len(placement.bundle_specs) < count * tp:
-            raise ValueError(
-                f"{count} engine(s) x tensor_parallel_size {tp} need {count * tp} bundles of the shared placement "
-                f"group, which has {len(placement.bundle_specs)}"
-            )
-        engine_cls = VLLMEngine if backend == "vllm" else HFGenerateEngine
-        if backend == "vllm":
-            kwargs = {"tensor_parallel_size": tp, **kwargs}
-        check_constructor(engine_cls, (model_path,), kwargs)
-        gpus = _cluster_has_gpus()
-        threads = max(1, int(num_cpus_per_engine / (tp if placement is None else 1)))
-        env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-        if backend == "vllm" and tp > 1 and not gpus and _numa_nodes() < tp:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        env.update(env_vars or {})
-        actors: list[Any] = []
-        own: list[Any] = []
-        try:
-            for i in range(count):
-                if placement is None:
-                    group, first = _engine_placement_group(tp, num_cpus_per_engine, gpus, resources or {}), 0
-                    own.append(group)
-                    cpus, gpu_share = num_cpus_per_engine / tp, 1.0
-                else:
-                    group, first = placement, i * tp
-                    cpus, gpu_share = num_cpus_per_engine, share
-                actor_kwargs = dict(kwargs)
-                if "seed" in kwargs:  # each engine's own generator (SamplingConfig.seed_per_prompt off) differs
-                    actor_kwargs["seed"] = engine_seed(kwargs["seed"], i)
-                if backend == "vllm" and gpus and tp > 1:
-                    # the actor holds no GPU; vLLM's TP workers take gpu_share of the GPU of each of its bundles
-                    actor_kwargs.update(bundle_indices=list(range(first, first + tp)), gpus_per_worker=gpu_share)
-                    actor_gpus = 0.0
-                else:
-                    actor_gpus = gpu_share if gpus else 0.0
-                strategy = PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=first, placement_group_capture_child_tasks=True
-                )
-                options = ray.remote(engine_cls).options(
-                    num_cpus=cpus,
-                    num_gpus=actor_gpus,
-                    resources=dict(resources or {}),
-                    scheduling_strategy=strategy,
-                    runtime_env={"env_vars": env},
-                )
-                actors.append(options.remote(model_path, **actor_kwargs))
-        except BaseException:  # what was started before the failure is no one else's to clean up
-            EngineHandles(engine_cls, actors).kill()
-            for group in own:
-                remove_placement_group(group)
-            raise
-        sleep = bool(kwargs.get("enable_sleep", False))
-        return cls(EngineHandles(engine_cls, actors), eos_token_id, sleep=sleep, placement_groups=own)
+    @parameters_of(start_engines)
+    def create(cls, *args: Any, **kwargs: Any) -> EngineGroup:
+        """The engines in Ray actors: ``start_engines("ray", ...)``, whose parameters it takes."""
+        return start_engines("ray", *args, **kwargs)
 
     def sleep(self) -> None:
         if self.sleep_enabled and not self.asleep:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.distributed.node_files import local_model_path
+from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.rollout.engine import SamplingConfig, current_placement_group_id
 from rlhf_core.distributed.weight_sync.buckets import MIB, WeightSpec, to_dtype
 from rlhf_core.distributed.weight_sync.receiver import make_receiver_transport, receive_into_module
@@ -22,7 +22,7 @@ class HFGenerateEngine:
 
     def __init__(
         self,
-        model_path: str,
+        model_path: ModelSource,
         *,
         dtype: str = "float32",
         seed: int = 0,
@@ -37,7 +37,7 @@ class HFGenerateEngine:
         model_path = local_model_path(model_path)  # a StageModel (a stage output): this node's copy
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(model_path, tokenizer, trust_remote_code=trust_remote_code)
-        self.model = build_causal_lm(
+        self.model: Any = build_causal_lm(  # a transformers model: generate, which nn.Module does not declare
             model_path,
             self.tokenizer,
             seed=init_seed,

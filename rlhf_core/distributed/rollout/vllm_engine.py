@@ -9,14 +9,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from rlhf_core.distributed.node_files import local_model_path
+from rlhf_core.distributed.node_files import ModelSource, local_model_path
 from rlhf_core.distributed.rollout.engine import SamplingConfig, current_placement_group_id, request_seeds
 from rlhf_core.distributed.weight_sync.buckets import MIB, WeightSpec
 from rlhf_core.distributed.weight_sync.receiver import WeightSyncAborted, WorkerWeightReceiver
+
+if TYPE_CHECKING:  # annotations only
+    from vllm.inputs import TokensPrompt
+
+# The dtype names vLLM takes (its ModelDType)
+VLLMDtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +57,10 @@ class VLLMEngine:
 
     def __init__(
         self,
-        model_path: str,
+        model_path: ModelSource,
         *,
         tensor_parallel_size: int = 1,
-        dtype: str = "float32",
+        dtype: VLLMDtype = "float32",
         seed: int = 0,
         max_model_len: int = 256,
         kv_cache_gib: float | None = None,
@@ -217,7 +223,9 @@ class VLLMEngine:
             for seed in request_seeds(sampling, len(prompt_token_ids))
             for _ in range(copies)
         ]
-        prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in prompt_token_ids for _ in range(copies)]
+        prompts: list[TokensPrompt] = [
+            {"prompt_token_ids": list(map(int, ids))} for ids in prompt_token_ids for _ in range(copies)
+        ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -227,6 +235,7 @@ class VLLMEngine:
                 responses.append(tokens)
                 if with_logprobs:
                     per_token = completion.logprobs  # per position {token: Logprob}, the sampled token among them
+                    assert per_token is not None  # asked for (logprobs=0)
                     logprobs.append([float(per_token[t][tok].logprob) for t, tok in enumerate(tokens)])
         return responses, logprobs
 
@@ -236,12 +245,18 @@ class VLLMEngine:
         self._check_awake()
         # prompt_logprobs=0: only the log-prob of each actual prompt token (raw logits, before any temperature).
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in token_ids]
+        prompts: list[TokensPrompt] = [{"prompt_token_ids": list(map(int, ids))} for ids in token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         result = []
         for ids, out in zip(token_ids, outputs):
-            per_token = out.prompt_logprobs  # [None, {token: Logprob}, ...]
-            result.append([float(per_token[t][int(ids[t])].logprob) for t in range(1, len(ids))])
+            per_token = out.prompt_logprobs  # [None, {token: Logprob}, ...]: asked for (prompt_logprobs=0)
+            assert per_token is not None
+            row = []
+            for t in range(1, len(ids)):
+                here = per_token[t]
+                assert here is not None  # only the first token has none
+                row.append(float(here[int(ids[t])].logprob))
+            result.append(row)
         return result
 
     # -- partial rollout: a generation that weight syncs may interrupt ------------------------------------------------

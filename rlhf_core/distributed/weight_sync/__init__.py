@@ -23,6 +23,9 @@ The modules, in the order a bucket travels:
   part, cuda_ipc included) and ``sync_weights``.
 - ``receiver``: the engine side: ``WorkerWeightReceiver`` (mixed into vLLM's workers), ``receive_into_module`` (the
   HF engine).
+- ``peers``: the engines as the sync sees them, two protocols of its own: ``ReceivingEngine`` (the weight-sync methods
+  of an engine, which ``rollout.engine.RolloutEngine`` extends) and ``ReceivingEngines`` (how the sender calls them;
+  ``rollout.group.EngineHandles`` is one). Nothing here imports the rollout package: rollout -> weight_sync only.
 
 vLLM is never imported by this package (the receiver runs inside vLLM's worker process, where it reaches vLLM through
 ``self``, the worker it is mixed into); Ray only inside the sender's functions.

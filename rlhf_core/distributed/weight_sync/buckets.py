@@ -139,7 +139,7 @@ def load_into_module(
     module: torch.nn.Module, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 ) -> int:
     """Copy tensors into ``module``'s parameters/buffers by name (Hugging Face names); returns how many."""
-    state = dict(module.named_parameters())
+    state: dict[str, torch.Tensor] = dict(module.named_parameters())
     state.update(dict(module.named_buffers()))
     items = named.items() if isinstance(named, Mapping) else named
     count = 0

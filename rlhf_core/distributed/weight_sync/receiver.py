@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,12 @@ def make_receiver_transport(
 class WorkerWeightReceiver:
     """vLLM worker extension (``worker_extension_cls``): its methods are mixed into each vLLM worker and called
     through ``LLM.collective_rpc``. Names here must not clash with the worker's own attributes (vLLM checks)."""
+
+    if TYPE_CHECKING:  # the vLLM worker this class is mixed into has them
+
+        def get_model(self) -> torch.nn.Module: ...
+
+        def reload_weights(self, *args: Any, **kwargs: Any) -> None: ...
 
     def init_weight_sync_group(
         self,
@@ -114,7 +120,7 @@ def _expert_kernels_set_up_again(model: torch.nn.Module) -> Iterator[None]:
 
     stashed = []
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
+        method: Any = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None and (

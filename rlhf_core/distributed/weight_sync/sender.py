@@ -4,8 +4,8 @@
 each actor rank's part of that (with cuda_ipc every rank that shares its GPU with an engine worker sends);
 ``sync_weights`` announces the specs to every engine (non-blocking), sends the buckets, then waits for the engines.
 Only the processes holding a ``WeightSender`` send; the other trainer ranks only take part in whatever gathering
-``named_tensors`` does (e.g. ZeRO-3 ``GatheredParameters``). Engines are called through their typed handles
-(``rollout.group.EngineHandles``) with the ``RolloutEngine`` protocol's methods.
+``named_tensors`` does (e.g. ZeRO-3 ``GatheredParameters``). Engines are called through their handles
+(``peers.ReceivingEngines``) with the ``peers.ReceivingEngine`` protocol's methods.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from rlhf_core.distributed.rollout.engine import RolloutEngine
 from rlhf_core.distributed.weight_sync.buckets import (
     HEADER_BYTES,
     MIB,
@@ -30,11 +29,9 @@ from rlhf_core.distributed.weight_sync.buckets import (
     set_header,
     spec_of,
 )
+from rlhf_core.distributed.weight_sync.peers import ReceivingEngine, ReceivingEngines
 from rlhf_core.distributed.weight_sync.transports import Collective, CudaIpc
 from rlhf_core.ports import free_port
-
-if TYPE_CHECKING:
-    from rlhf_core.distributed.rollout.group import EngineHandles
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +39,7 @@ logger = logging.getLogger(__name__)
 class WeightSender:
     """The trainer side. With gloo/nccl: rank 0 of the weight-sync group, in the process of the trainer's rank 0;
     its constructor blocks until every receiver has joined (``world_size`` = 1 + number of rollout workers), so the
-    receivers must be told to join first, without waiting for them (``RolloutEngine.init_weight_sync``), then the
+    receivers must be told to join first, without waiting for them (``ReceivingEngine.init_weight_sync``), then the
     sender is built, then the receivers' results are awaited: ``connect_weight_sync`` does that.
 
     With cuda_ipc: one sender per actor rank ``actor_rank`` (of ``actor_world_size``); rank 0 hosts the store.
@@ -172,7 +169,7 @@ class WeightSender:
 
 
 def connect_weight_sync(
-    engines: EngineHandles,
+    engines: ReceivingEngines,
     *,
     backend: str = "gloo",
     bucket_mb: float = 1024,
@@ -194,13 +191,13 @@ def connect_weight_sync(
 
     master_addr = master_addr or ray.util.get_node_ip_address()
     master_port = master_port or free_port()
-    sizes = engines.call(RolloutEngine.num_workers)
+    sizes = engines.call(ReceivingEngine.num_workers)
     world_size = 1 + sum(sizes)
     offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
     joins = [
         engines.call_one_async(
             i,
-            RolloutEngine.init_weight_sync,
+            ReceivingEngine.init_weight_sync,
             master_addr,
             master_port,
             off,
@@ -231,7 +228,7 @@ def connect_weight_sync(
 
 
 def connect_rank(
-    engines: EngineHandles,
+    engines: ReceivingEngines,
     rank: int,
     world_size: int,
     broadcast_object: Callable[[Any], Any],
@@ -251,7 +248,7 @@ def connect_rank(
 
     where = None
     if rank == 0:
-        sizes = engines.call(RolloutEngine.num_workers)
+        sizes = engines.call(ReceivingEngine.num_workers)
         where = (ray.util.get_node_ip_address(), free_port(), 1 + sum(sizes))
     addr, port, sync_world = broadcast_object(where)
     if sync_world - 1 > world_size:
@@ -298,7 +295,7 @@ def _report_engine_errors(refs: list[Any], wait_s: float = 10.0) -> None:
 
 def sync_weights(
     sender: WeightSender | None,
-    engines: EngineHandles,
+    engines: ReceivingEngines,
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     specs: list[WeightSpec] | None = None,
     bucket_bytes: int | None = None,
@@ -318,13 +315,13 @@ def sync_weights(
     start = time.perf_counter()
     if sender is None:
         state = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
-        engines.call(RolloutEngine.load_state_dict, engines.put(state))
+        engines.call(ReceivingEngine.load_state_dict, engines.put(state))
         return time.perf_counter() - start
     if specs is None:
         named_tensors = [(name, t) for name, t in named_tensors]
         specs = [spec_of(name, t) for name, t in named_tensors]
     bucket_bytes = bucket_bytes or sender.bucket_bytes
-    receipts = engines.call_async(RolloutEngine.receive_weights, specs, bucket_bytes, sender.sync_id)
+    receipts = engines.call_async(ReceivingEngine.receive_weights, specs, bucket_bytes, sender.sync_id)
     try:
         # On an error here (a failed gather, a tensor that does not match its spec) the sender tells the engines to
         # abort, so they fail at once instead of waiting in the broadcast; their weights are then partly updated and

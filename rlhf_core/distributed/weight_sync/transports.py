@@ -108,7 +108,8 @@ def ipc_pairs(actor_gpus: dict[int, str], worker_gpus: dict[int, str]) -> dict[i
 
 
 def _make_store(master_addr: str, master_port: int, is_master: bool, world_size: int | None, timeout_s: float) -> Any:
-    from torch.distributed import TCPStore
+    # torch documents it as torch.distributed.TCPStore, but its __init__ re-exports it without declaring it public
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
     # wait_for_workers=False: the constructor returns at once; the group construction (or the first store
     # access) is the rendezvous.
@@ -126,7 +127,7 @@ def _make_group(
     master_addr: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float, backend: str
 ) -> Any:
     """A standalone process group (not registered with ``torch.distributed``'s default world)."""
-    from torch.distributed import PrefixStore
+    from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage] (as TCPStore)
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
@@ -199,7 +200,7 @@ class CudaIpc:
         sender: bool,
         rank: int,
     ):
-        from torch.distributed import PrefixStore
+        from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage] (as TCPStore)
 
         self.backend = "cuda_ipc"
         self.device, self.gpu = _local_gpu()
@@ -231,7 +232,8 @@ class CudaIpc:
     def send(self, buffer: torch.Tensor, sync_id: int, index: int) -> None:
         key = self._key(sync_id, index)
         acks = [f"{key}/ack/{w}" for w in self.peers]
-        self.store.set(key, pickle.dumps(ipc_handle(buffer)))
+        # torch's stub types Store.set's value as str; its binding takes bytes too (pickles do not decode)
+        self.store.set(key, pickle.dumps(ipc_handle(buffer)))  # pyright: ignore[reportArgumentType]
         self.store.wait(acks, self.timeout)  # the buffer is reused for the next bucket only after this
         for k in (key, *acks):
             self.store.delete_key(k)
@@ -244,5 +246,5 @@ class CudaIpc:
         # reuses its buffer after the acknowledgement.
         local = _private_copy(shared, nbytes)
         del shared
-        self.store.set(f"{key}/ack/{self.rank}", b"1")
+        self.store.set(f"{key}/ack/{self.rank}", b"1")  # pyright: ignore[reportArgumentType] (bytes: see send)
         return local

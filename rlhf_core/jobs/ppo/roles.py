@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_core.config import PPOConfig, TrainConfig
+from rlhf_core.config import PPOConfig, TrainConfig, WorkerConfig
 from rlhf_core.distributed.cluster import Cluster, WorkerGroup
 from rlhf_core.distributed.node_files import ModelSource
 from rlhf_core.distributed.reference import ReferencePolicy
@@ -75,8 +75,9 @@ def role_context(
 
 
 def _frozen(p: PPOConfig) -> dict[str, Any]:
-    """The frozen roles' settings; frozen.zero_stage 3: one ZeRO-3 copy over the workers. They take the actor's
-    packing and attention kernel, so reference and actor log-probs come from the same kernel."""
+    """The frozen roles' settings. Their one ZeRO stage is frozen.zero_stage (3: one ZeRO-3 copy over the workers),
+    given here; their group's config (``placement.PlacementPlan``) is a ``WorkerConfig``, which has none. They take
+    the actor's packing and attention kernel, so reference and actor log-probs come from the same kernel."""
     return dict(
         zero_stage=p.frozen.zero_stage,
         offload=p.frozen.offload,
@@ -86,7 +87,7 @@ def _frozen(p: PPOConfig) -> dict[str, Any]:
 
 
 def reward_group(
-    cluster: Cluster, p: PPOConfig, strategy: Any, source: ModelSource, placed: dict[str, Any]
+    cluster: Cluster, p: PPOConfig, strategy: WorkerConfig, source: ModelSource, placed: dict[str, Any]
 ) -> WorkerGroup[RewardScorer]:
     """The reward model's workers (rewards from a function or a server only need none), from ``source``."""
     rm = p.reward.model
@@ -106,7 +107,7 @@ def reward_group(
 
 
 def reference_group(
-    cluster: Cluster, p: PPOConfig, strategy: Any, source: ModelSource, placed: dict[str, Any]
+    cluster: Cluster, p: PPOConfig, strategy: WorkerConfig, source: ModelSource, placed: dict[str, Any]
 ) -> WorkerGroup[ReferencePolicy]:
     """The reference policy's workers, from ``source``; its model keys default to the actor's (``reference.model``
     null: the actor's starting model)."""
