@@ -126,7 +126,8 @@ def commit_checkpoint(
     """Commit the uploaded checkpoint ``rel`` (manifest last) and prune the older ones beyond ``keep_last``.
 
     ``workers`` maps the config key of each group's worker count (under the stage section) to the ranks that wrote
-    the shards: a resume with another count is refused (``jobs.input_checks.check_resumable``), as its shards would not load.
+    the shards: a resume with another count is refused (``jobs.input_checks.check_resumable``), as its shards would
+    not load.
     """
     store.commit(rel, stage=stage, config_hash=config_hash, files=files, extra={"step": step, "workers": workers})
     prune_checkpoints(store, stage, keep_last)

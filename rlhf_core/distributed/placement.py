@@ -5,8 +5,8 @@ model). From the config this module answers what they ask Ray for (``resource_de
 the cluster can place them (``check_fits``, before any actor starts), and which colocation bundles they share
 (``PlacementPlan``, which ``jobs.ppo.controller.PPOController.start`` turns into placement groups and worker
 groups). The generate stage's groups (``generate_groups``) and the rollout engines' constructor kwargs
-(``engine_kwargs``, PPO's and generate's) sit here too, so that ``jobs.stage_setup.ray_cpus`` reads one module below the
-jobs.
+(``engine_kwargs``, PPO's and generate's) sit here too, so that ``jobs.stage_setup.ray_cpus`` reads one module below
+the jobs.
 """
 
 from __future__ import annotations
