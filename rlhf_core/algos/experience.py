@@ -163,6 +163,7 @@ class Experience(SequenceBatch):
             rollout_logprobs=rollout_logprobs,
         )
 
-    def with_advantages(self, advantages: torch.Tensor, returns: torch.Tensor) -> Experience:
-        """A copy (same tensors, no data copied) with ``advantages`` and ``returns``, both (B, T-1)."""
+    def with_advantages(self, advantages: torch.Tensor, returns: torch.Tensor | None) -> Experience:
+        """A copy (same tensors, no data copied) with ``advantages`` and ``returns``, both (B, T-1) (``returns``
+        None: a critic-free experience, which has none)."""
         return dataclasses.replace(self, advantages=advantages, returns=returns)

@@ -130,10 +130,8 @@ class PolicyActor(TrainableRole):
         a = self.ctx.algo
         assert exp.advantages is not None, "the actor trains on experience with advantages"
         if whitens(a.advantage_estimator, a.whiten_advantages):
-            # whitened advantages, the returns as they are (None without a critic)
-            exp = replace(
-                exp,
-                advantages=distributed_masked_whiten(exp.advantages, exp.action_mask, self.strategy.all_reduce_sum),
+            exp = exp.with_advantages(
+                distributed_masked_whiten(exp.advantages, exp.action_mask, self.strategy.all_reduce_sum), exp.returns
             )
         kl_loss = a.kl_in_loss
         assert not kl_loss or exp.ref_logprobs is not None, "kl_mode=loss trains on the reference log-probs"
