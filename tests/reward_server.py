@@ -54,6 +54,7 @@ class ServerState:
     requests: int = 0
     batches: list[int] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    labels: list[Any] = field(default_factory=list)  # the "labels" of each request (None when it sent none)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -98,6 +99,7 @@ class RewardHandler(BaseHTTPRequestHandler):
             return
         with state.lock:
             state.batches.append(len(scores))
+            state.labels.append(request.get("labels"))
         if state.raw_body is not None:
             self._answer(200, state.raw_body, "text/plain")
             return

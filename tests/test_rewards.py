@@ -11,17 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import ConfigError
+from rlhf_core.config import ConfigError, redact_url
+from rlhf_core.config.score import ScoreConfig
+from rlhf_core.config.sections import ScoreRows
+from rlhf_core.data.loading import DataError
 from rlhf_core.data.synthetic import gold_reward
 from rlhf_core.jobs import score
 from rlhf_core.ports import free_port
+from rlhf_core.remote_reward import RemoteRewardError, RemoteRewardModel
 from rlhf_core.rewards import (
-    RemoteRewardError,
-    RemoteRewardModel,
+    Columns,
+    call_gold,
     call_reward_fn,
     call_reward_fn_with_mask,
+    gold_spec,
     load_reward_fn,
-    redact_url,
 )
 from tests.reward_server import gold_scores, serve
 
@@ -267,3 +271,104 @@ def test_bad_keep_masks_are_refused(returned, message):
     with pytest.raises(ConfigError, match="'ppo.reward_fn' = 'm:f'") as e:
         call_reward_fn_with_mask(lambda p, r: returned, "m:f", "ppo.reward_fn", ["p", "q"], ["a", "b"])
     assert message in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Labels and columns: what a reward function takes besides prompts and responses (TRL's convention)
+
+ROWS = [
+    {"prompt": "What is 2 + 3?", "label": "5", "columns": {"answer": "5", "level": 1}},
+    {"prompt": "What is 4 + 4?", "label": "8", "columns": {"answer": "8", "level": 2}},
+]
+
+
+def test_a_reward_function_gets_labels_and_the_columns_it_names_one_per_sample():
+    seen = {}
+
+    def exact(prompts, responses, *, labels, level):
+        seen.update(prompts=prompts, labels=labels, level=level)
+        return [float(r.strip() == lb) for r, lb in zip(responses, labels)]
+
+    columns = Columns.of(ROWS, "ppo.data.label_key").expanded(2)  # 2 samples per prompt
+    prompts = [r["prompt"] for r in ROWS for _ in range(2)]
+    scores = call_reward_fn(exact, "m:exact", "ppo.reward_fn", prompts, ["5", "6", " 8", "9"], columns)
+    assert scores == [1.0, 0.0, 1.0, 0.0]
+    assert seen["labels"] == ["5", "5", "8", "8"] and seen["level"] == [1, 1, 2, 2]
+    assert seen["prompts"] == prompts
+
+
+def test_a_reward_function_with_kwargs_gets_every_column_and_the_two_argument_form_none():
+    got = {}
+
+    def everything(prompts, responses, **columns):
+        got.update(columns)
+        return [0.0] * len(prompts)
+
+    columns = Columns.of(ROWS, "ppo.data.label_key")
+    call_reward_fn(everything, "m:f", "ppo.reward_fn", ["a", "b"], ["", ""], columns)
+    assert got == {"labels": ["5", "8"], "answer": ["5", "8"], "level": [1, 2]}
+    assert call_reward_fn(lambda p, r: [1.0] * len(p), "m:g", "ppo.reward_fn", ["a", "b"], ["", ""], columns) == [
+        1.0,
+        1.0,
+    ]
+
+
+def test_a_reward_function_asking_for_a_missing_column_is_refused_naming_key_and_column():
+    def wants_difficulty(prompts, responses, difficulty):
+        return [0.0] * len(prompts)
+
+    def wants_labels(prompts, responses, labels):
+        return [0.0] * len(prompts)
+
+    columns = Columns.of(ROWS, "ppo.data.label_key")
+    with pytest.raises(ConfigError, match=r"'ppo.reward_fn' = 'm:f' takes the column 'difficulty', which the data "):
+        call_reward_fn(wants_difficulty, "m:f", "ppo.reward_fn", ["a", "b"], ["", ""], columns)
+    unlabelled = Columns.of([{"prompt": "a", "columns": {}}], "ppo.data.label_key")
+    with pytest.raises(ConfigError, match=r"takes labels, but the data has none: set 'ppo.data.label_key'"):
+        call_reward_fn(wants_labels, "m:f", "ppo.reward_fn", ["a"], [""], unlabelled)
+    # an optional parameter the data lacks is left at its default
+    assert call_reward_fn(lambda p, r, extra=2.0: [extra] * len(p), "m:h", "k", ["a"], [""], unlabelled) == [2.0]
+
+
+def test_the_remote_server_receives_the_labels_of_each_row_in_batches():
+    with serve() as (url, server):
+        rm = RemoteRewardModel(url, KEY, batch_size=3)
+        labels = ["5", {"answer": 8}, 3, "x"]
+        assert rm.score(PROMPTS, RESPONSES, labels) == gold_scores(PROMPTS, RESPONSES)
+        rm.score(PROMPTS[:1], RESPONSES[:1])  # no labels: none sent
+        rm.check(["first"])  # the probe sends the first label
+    assert server.state.labels == [["5", {"answer": 8}, 3], ["x"], None, ["first"]]
+
+
+def test_the_score_stage_passes_each_rows_label_and_refuses_rows_without_one(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "2+3?", "response": "5", "answer": "5"}, {"prompt": "4+4?", "response": "9", "answer": "8"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = ScoreConfig(data=ScoreRows(train_path=str(path), label_key="answer"), reward_fn="m:f")
+    loaded = score.load_scored_rows(cfg, "score", None)
+    columns = score.row_columns(loaded, cfg, "score")
+    assert columns.labels == ["5", "8"] and list(columns.values) == ["answer"]  # prompt and response are not columns
+
+    def exact(prompts, responses, labels):
+        return [float(r == lb) for r, lb in zip(responses, labels)]
+
+    assert call_reward_fn(exact, "m:f", "score.reward_fn", ["2+3?", "4+4?"], ["5", "9"], columns) == [1.0, 0.0]
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "4+4?", "response": "9"}) + "\n")
+    with pytest.raises(DataError, match=r"row 2.*'answer'.*missing"):
+        score.load_scored_rows(cfg, "score", None)
+
+
+def test_the_gold_reward_gets_the_label_and_auto_is_the_bundled_rule_on_the_bundled_data_only(tmp_path):
+    def by_label(prompt, response, label):
+        return float(response == label)
+
+    assert call_gold(by_label, ["q1", [{"role": "user", "content": "q2"}]], ["5", "7"], ["5", "8"]) == [1.0, 0.0]
+    assert call_gold(lambda p, r: len(r), ["q"], ["abc"], ["label ignored"]) == [3.0]
+    bundled = "rlhf_core/assets/data/synthetic/prompts_train.jsonl"
+    assert gold_spec("auto", bundled) == "rlhf_core.data.synthetic:gold_reward"
+    assert gold_spec("auto", str(tmp_path / "mine.jsonl")) is None
+    assert (
+        gold_spec("auto", "s3://bucket/prompts.jsonl") is None and gold_spec("auto", "reasoning_gym:chain_sum") is None
+    )
+    assert gold_spec("my.module:gold", str(tmp_path / "mine.jsonl")) == "my.module:gold"
+    assert gold_spec(None, bundled) is None

@@ -129,6 +129,26 @@ def check_rl(name: str, p: CriticWarmupConfig, critic: bool) -> None:
     _check_placement(name, p, critic)
     if p.data.eval_path is None and t.eval_prompts > 0:
         raise ConfigError(f"'{name}.data.eval_path' is required while '{name}.train.eval_prompts' > 0")
+    _check_evaluation(name, p)
+
+
+def _check_evaluation(name: str, p: CriticWarmupConfig) -> None:
+    """The held-out accuracy (greedy) and pass@k need held-out prompts and a judge (eval_reward_fn or reward_fn)."""
+    t = p.train
+    tol = t.sync_check_tolerance
+    check(tol is None or tol >= 0, f"{name}.train.sync_check_tolerance", tol, "must be >= 0 (null = off)")
+    check(t.eval_pass_k >= 0, f"{name}.train.eval_pass_k", t.eval_pass_k, "must be >= 0 (0 = off)")
+    check(math.isfinite(t.eval_correct_at), f"{name}.train.eval_correct_at", t.eval_correct_at, "must be finite")
+    if not (t.eval_greedy or t.eval_pass_k):
+        return
+    asked = f"'{name}.train.eval_greedy' / '{name}.train.eval_pass_k'"
+    if t.eval_prompts <= 0:
+        raise ConfigError(f"{asked} need held-out prompts: set '{name}.train.eval_prompts' > 0")
+    if t.eval_reward_fn is None and p.reward_fn is None:
+        raise ConfigError(
+            f"{asked} need a judge: set '{name}.train.eval_reward_fn' (module:function or path.py:function) or "
+            f"'{name}.reward_fn'"
+        )
 
 
 def _check_rewards(name: str, p: CriticWarmupConfig) -> None:

@@ -29,6 +29,7 @@ _NOT_HASHED = {
     "kv_cache_gib",
     "enforce_eager",
     "offload",  # frozen.offload: where the frozen models' partitions live
+    "sync_check_tolerance",  # a check of the finished stage: raising it lets a failed stage resume
 }
 
 # The PPO algo's later options at their defaults: PPO's token ratio, no off-policy correction.
@@ -39,6 +40,9 @@ _OFF_BY_DEFAULT.update({"dynamic_batch": False, "max_tokens_per_micro_batch": 16
 _OFF_BY_DEFAULT.update({"async_enable": False, "async_queue_size": 1, "partial_rollout_enable": False})
 # algo.use_rollout_logprobs off, with its bound at the default (the actor's forward, as before the keys existed).
 _OFF_BY_DEFAULT.update({"use_rollout_logprobs": False, "rollout_logprobs_max_diff": 0.1})
+# No labels (data.label_key) and no held-out accuracy or pass@k: the hash a stage had before these keys existed.
+_OFF_BY_DEFAULT.update({"label_key": None, "eval_greedy": False, "eval_pass_k": 0, "eval_reward_fn": None})
+_OFF_BY_DEFAULT.update({"eval_correct_at": 1.0})
 
 
 def _off(key: str, value: Any) -> bool:

@@ -204,5 +204,27 @@ class RLTrainConfig:
     log_steps: int = opt(1, "Print metrics every N PPO steps.")
     eval_prompts: int = opt(64, "Held-out prompts sampled and scored before and after training.")
     gold_reward: str | None = opt(
-        "rlhf_core.data.synthetic:gold_reward", "module:function(prompt, response) -> float; null = none."
+        "auto",
+        "module:function(prompt, response[, label]) -> float scoring each held-out response; auto = the bundled "
+        "task's rule (rlhf_core.data.synthetic:gold_reward) on the bundled data, none on other data; null = none.",
+    )
+    eval_greedy: bool = opt(
+        False, "Also answer each held-out prompt greedily and report accuracy_greedy (with its standard error)."
+    )
+    eval_pass_k: int = opt(
+        0, "Also sample k answers per held-out prompt (rollout temperature) and report pass@k; 0 = off."
+    )
+    eval_reward_fn: str | None = opt(
+        None,
+        "Judge of the greedy accuracy and pass@k: a reward function (the reward_fn convention, labels included); "
+        "null = the stage's reward_fn.",
+    )
+    eval_correct_at: float = opt(1.0, "A held-out answer counts as correct when the judge scores it at least this.")
+    sync_check_tolerance: float | None = opt(
+        1e-3,
+        "Fail the stage when, at its end, the rollout engines' log-probs of a fixed sequence differ from the actor's "
+        "by more than this (sync_engine_vs_actor_max_diff): the engines do not serve the weights the actor trains "
+        "(a weight sync that left a layer behind). In fp32 a sound sync agrees well within 1e-3; in bf16 "
+        "(actor.strategy.precision) engine and actor round differently, so there the check allows at least 0.5 "
+        "and catches only gross faults. null = off.",
     )

@@ -105,6 +105,10 @@ class ReadModelConfig:
 # that it would ignore.
 
 _PROMPT_KEY = "Key of the prompt (a string or a list of chat messages)."
+_LABEL_KEY = (
+    "Key of each row's label (e.g. the reference answer), passed with its prompt to every sample of it: to the reward "
+    "function as labels=, to the remote reward server as 'labels', to the gold reward as label=; null = none."
+)
 
 
 @dataclass
@@ -169,6 +173,7 @@ class PromptData(HeldOutSource):
     """Prompts for the policy to answer; eval_path gives held-out prompts."""
 
     input_key: str = opt("input", _PROMPT_KEY)
+    label_key: str | None = opt(None, _LABEL_KEY)
 
 
 @dataclass
@@ -176,6 +181,9 @@ class GeneratePrompts(DataSource):
     """Prompts to sample responses for (no held-out split: the stage makes a dataset, it does not evaluate)."""
 
     input_key: str = opt("input", _PROMPT_KEY)
+    label_key: str | None = opt(
+        None, "Key of each row's label, copied under the same key to every response row (and given to gold_reward)."
+    )
 
 
 @dataclass
@@ -184,6 +192,7 @@ class ScoreRows(DataSource):
 
     prompt_key: str | None = opt("prompt", "Key of the prompt.")
     response_key: str = opt("response", "Key of the response.")
+    label_key: str | None = opt(None, "Key of each row's label, passed to the reward function as labels=.")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

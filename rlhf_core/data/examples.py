@@ -340,14 +340,21 @@ def prompt_examples(
     storage_options: dict | None = None,
     max_rows: int | None = None,
 ) -> list[dict]:
-    """[{'prompt_ids', 'prompt'}] for RL: the rendered prompt's ids and the raw prompt value."""
+    """[{'prompt_ids', 'prompt', 'columns'[, 'label']}] for RL: the rendered prompt's ids, the raw prompt value, the
+    row's other values by column and, with ``label_key``, its label (which travels with the prompt to every sample
+    of it and to the rewards)."""
     source, rows = _rows(cfg, split, storage_options)
     if max_rows is not None:
         rows = rows[:max_rows]
-    require_keys(rows, [cfg.input_key], source, {cfg.input_key: "prompt"})
+    keys = {cfg.input_key: "prompt", **({cfg.label_key: "label"} if cfg.label_key is not None else {})}
+    require_keys(rows, list(keys), source, keys)
     out = []
     for i, row in enumerate(rows, start=1):
         text = render_prompt(row[cfg.input_key], tokenizer, cfg, f"{source} row {i}")
         ids = encode_prompt(tokenizer, text, cfg.max_len, f"{source} row {i}")
-        out.append({"prompt_ids": ids, "prompt": row[cfg.input_key]})
+        example = {"prompt_ids": ids, "prompt": row[cfg.input_key]}
+        example["columns"] = {k: v for k, v in row.items() if k != cfg.input_key}
+        if cfg.label_key is not None:
+            example["label"] = row[cfg.label_key]
+        out.append(example)
     return out

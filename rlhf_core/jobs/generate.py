@@ -23,7 +23,6 @@ Writes ``<run_uri>/<stage>/data.<output_format>`` committed by its manifest (``r
 
 from __future__ import annotations
 
-import json
 import shutil
 from typing import Any
 
@@ -37,15 +36,11 @@ from rlhf_core.distributed.cluster import Cluster, RayCluster, WorkerGroup
 from rlhf_core.distributed.placement import engine_kwargs, generate_groups
 from rlhf_core.jobs import input_checks, process, stage_setup
 from rlhf_core.models.builders import load_tokenizer, stop_ids
-from rlhf_core.rewards import load_gold
+from rlhf_core.rewards import call_gold, load_gold
 from rlhf_core.types import CheckpointRef
 
 KIND = "generate"
 KL_MICRO_BATCH = 16  # rows per forward of the KL log-prob workers
-
-
-def _prompt_text(prompt: Any) -> str:
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
 
 
 def check_fits(stage: str, g: GenerateConfig, available: dict[str, float], nodes: list[dict[str, float]]) -> None:
@@ -181,7 +176,7 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
         kl = kl_to_reference(st, g, prompt_ids, responses, pad_id, groups, cluster) if groups is not None else None
 
         # 4. rows, metrics, commit
-        rows = []
+        rows, label_key = [], g.data.label_key
         for k, tokens in enumerate(responses):
             i, j = divmod(k, n)
             row = {
@@ -192,8 +187,11 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
                 "response_tokens": len(tokens),
                 "finish_reason": "stop" if tokens and tokens[-1] in stops else "length",
             }
+            if label_key is not None:  # the prompt's label, under its own key, for a score stage to pass on
+                row[label_key] = prompts[i]["label"]
             if gold is not None:
-                row["gold_reward"] = float(gold(_prompt_text(row["prompt"]), row["response"]))
+                label = [prompts[i]["label"]] if label_key is not None else None
+                row["gold_reward"] = call_gold(gold, [row["prompt"]], [row["response"]], label)[0]
             if kl is not None:
                 row["kl_to_ref"] = kl[k]
             rows.append(row)

@@ -27,7 +27,7 @@ from rlhf_core.data.loading import DataError, load_rows, require_keys
 from rlhf_core.data.selection import select_all, select_best, select_pairs, selection_metrics
 from rlhf_core.distributed.cluster import Cluster, RayCluster
 from rlhf_core.jobs import process, stage_setup
-from rlhf_core.rewards import call_reward_fn, load_reward_fn
+from rlhf_core.rewards import Columns, call_reward_fn, load_reward_fn
 from rlhf_core.types import CheckpointRef
 
 KIND = "score"
@@ -46,6 +46,8 @@ def load_scored_rows(s: ScoreConfig, stage: str, storage_options: dict | None) -
     source = d.train_path
     rows = load_rows(source, split=d.train_split, storage_options=storage_options, max_rows=d.max_samples)
     require_keys(rows, [d.prompt_key], source)
+    if d.label_key is not None:
+        require_keys(rows, [d.label_key], source, {d.label_key: "label"})
     for i, row in enumerate(rows, start=1):
         if d.response_key not in row:
             present = ", ".join(map(str, row)) or "none"
@@ -54,6 +56,19 @@ def load_scored_rows(s: ScoreConfig, stage: str, storage_options: dict | None) -
             kind = type(row[d.response_key]).__name__
             raise DataError(f"value is not a string (got {kind})", source=source, row=i, key=d.response_key)
     return rows
+
+
+def row_columns(rows: list[dict], s: ScoreConfig, stage: str) -> Columns:
+    """What the reward function may take of each row besides its prompt and response: ``data.label_key``'s value as
+    its label, and the other columns by name."""
+    d = s.data
+    skip = {d.prompt_key, d.response_key}
+    examples = [
+        {"columns": {k: v for k, v in row.items() if k not in skip}}
+        | ({"label": row[d.label_key]} if d.label_key is not None else {})
+        for row in rows
+    ]
+    return Columns.of(examples, f"{stage}.data.label_key")
 
 
 def reward_model_scores(st: stage_setup.StageSetup, rows: list[dict], cluster: Cluster) -> list[float]:
@@ -160,7 +175,8 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
             assert s.reward_fn is not None and s.data.prompt_key is not None
             prompts = [row[s.data.prompt_key] for row in rows]
             responses = [row[s.data.response_key] for row in rows]
-            scores = call_reward_fn(fn, s.reward_fn, f"{stage}.reward_fn", prompts, responses)
+            columns = row_columns(rows, s, stage)
+            scores = call_reward_fn(fn, s.reward_fn, f"{stage}.reward_fn", prompts, responses, columns)
         else:
             scores = reward_model_scores(st, rows, RayCluster() if cluster is None else cluster)
         # 4. selection and commit

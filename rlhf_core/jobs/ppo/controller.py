@@ -61,12 +61,12 @@ from rlhf_core.distributed.role_base import RoleContext, TrainableRole
 from rlhf_core.distributed.rollout.engine import SamplingConfig
 from rlhf_core.jobs import input_checks, process, stage_setup
 from rlhf_core.jobs.ppo.async_rollout import AsyncRollout, Rollout, rollout_logs
-from rlhf_core.jobs.ppo.evaluation import HeldOut, probe_logprobs, summary_metrics
+from rlhf_core.jobs.ppo.evaluation import HeldOut, check_engine_sync, probe_logprobs, summary_metrics
 from rlhf_core.jobs.ppo.experience import ExperienceMaker, advantages
 from rlhf_core.jobs.ppo.old_logprobs import old_logprobs_source
 from rlhf_core.jobs.ppo.roles import reference_group, reward_group, role_context
 from rlhf_core.models.builders import load_tokenizer, stop_ids
-from rlhf_core.rewards import RewardSources
+from rlhf_core.rewards import Columns, RewardSources
 from rlhf_core.storage import ObjectStore
 from rlhf_core.tracking import Tracker
 from rlhf_core.types import CheckpointRef
@@ -107,7 +107,7 @@ def load_inputs(stage: str, p: PPOConfig, setup: stage_setup.StageSetup) -> PPOI
     return PPOInputs(
         tokenizer=tokenizer,
         prompts=prompt_examples(p.data, tokenizer, "train", options),
-        held_out=HeldOut.load(p, tokenizer, options),
+        held_out=HeldOut.load(p, tokenizer, options, stage),
         rewards=RewardSources.of(stage, p, setup.paths.get("reward")),
     )
 
@@ -143,7 +143,8 @@ class PPOController:
                 f"{len(self.prompts)} prompts x {train.num_episodes} episodes: no PPO step would run"
             )
         self.rewards = inputs.rewards
-        self.rewards.check([e["prompt"] for e in self.prompts[:2]])  # before any worker starts
+        # before any worker starts: the reward function takes the data's columns and answers
+        self.rewards.check([e["prompt"] for e in self.prompts[:2]], self.columns(self.prompts[:2]))
         self.kl_ctl = make_kl_controller(p.algo.kl_coef, p.algo.kl_target, p.algo.kl_horizon)
         # The critic warm-up's frozen actor is its own reference: its old log-probs are the reference's (no group).
         self.ref_from_actor = p.algo.needs_kl and actor_is_reference(p, train_actor)
@@ -369,6 +370,10 @@ class PPOController:
         return state
 
     # -- fit: the loop ------------------------------------------------------------------------------------------------
+    def columns(self, examples: list[dict]) -> Columns:
+        """What the reward function may take of these prompts' rows: their labels and other columns."""
+        return Columns.of(examples, f"{self.stage}.data.label_key")
+
     def rollout_sampling(self, step: int) -> SamplingConfig:
         """How step ``step`` samples its rollout: the rollout's settings, a seed of its own, and per-prompt seeds or
         the engines' own generators (``rollout.seed_per_prompt`` on the cluster's device)."""
@@ -446,6 +451,7 @@ class PPOController:
             indices = global_batch(len(self.prompts), train.rollout_batch_size, step, train.seed)
             prompt_ids = [self.prompts[i]["prompt_ids"] for i in indices]
             prompts = [self.prompts[i]["prompt"] for i in indices]
+            columns = self.columns([self.prompts[i] for i in indices])  # labels travel with their prompts
             self.move_training_states(offload=True, timer=timer)
             with timer.phase("generation"):  # async: the wait for the thread's batch
                 record, rollout = next(batches) if batches else (None, self.generate(step))
@@ -456,7 +462,7 @@ class PPOController:
             actor_frozen = not self.train_actor or step < train.freeze_actor_steps
             old = old_logprobs_source(self.p, actor_frozen, self.ref_from_actor)
             with timer.phase("experience"):
-                scored = maker.make(prompt_ids, responses, prompts, timer, old, engine_logprobs)
+                scored = maker.make(prompt_ids, responses, prompts, timer, old, engine_logprobs, columns)
             # 3. rewards (sources summed, penalties, group shaping, KL penalty) and advantages (GAE or returns)
             with timer.phase("advantages"):
                 engine_lp = engine_logprob_tensor(scored.exp, engine_logprobs)
@@ -515,6 +521,8 @@ class PPOController:
             "eval_before_s": eval_before_s,
         }
         metrics.update(summary_metrics(state["history"], state["before"], after, probes))
+        check_engine_sync(self.stage, metrics, self.p.train.sync_check_tolerance, self.p.actor.strategy.precision)
+        metrics.update(self.held_out.described())
         self.history = state["history"]
         return metrics
 

@@ -30,7 +30,7 @@ from rlhf_core.distributed.critic import CriticActor
 from rlhf_core.distributed.reference import ReferencePolicy
 from rlhf_core.distributed.reward import RewardScorer
 from rlhf_core.jobs.ppo.old_logprobs import old_logprobs
-from rlhf_core.rewards import SOURCE_LOGS, RewardSources, Scored
+from rlhf_core.rewards import SOURCE_LOGS, Columns, RewardSources, Scored
 
 
 @dataclasses.dataclass
@@ -61,12 +61,14 @@ class ExperienceMaker:
         timer: timing.PhaseTimer | None = None,
         old: str = "forward",
         engine_logprobs: list[list[float]] | None = None,
+        columns: Columns | None = None,
     ) -> Scored:
         """Old and reference log-probs, values (with a critic) and the summed reward sources, the roles concurrently
         on their shards while the driver calls the reward function and server. The reward model scores prompt +
         response + EOS where a response was cut (``ensure_eos``), as it was trained. ``timer``: each role's seconds
         from the first dispatch to its last result, as ``experience_<role>``. ``old``: where the old log-probs come
-        from (``jobs.ppo.old_logprobs``); ``engine_logprobs``: the engines' per-response log-probs."""
+        from (``jobs.ppo.old_logprobs``); ``engine_logprobs``: the engines' per-response log-probs; ``columns``: the
+        prompts' labels and other values, one per prompt, for the reward function and the server."""
         n = len(responses) // len(prompt_ids)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         seq = make_sequences(expanded, responses, self.pad_id)
@@ -89,7 +91,8 @@ class ExperienceMaker:
             scored = make_sequences(expanded, closed, self.pad_id)
             refs["reward"] = self.reward.call_each_async(RewardScorer.scores, scored.shard(len(self.reward)))
         raw = [pr for pr in prompts for _ in range(n)]
-        parts, keep = self.rewards.score_on_driver(self.tokenizer, raw, responses, timer)
+        sample_columns = columns.expanded(n) if columns is not None else None
+        parts, keep = self.rewards.score_on_driver(self.tokenizer, raw, responses, timer, sample_columns)
         out, seconds = self.cluster.wait_timed(refs, started)
         if timer is not None:
             for role, sec in seconds.items():
