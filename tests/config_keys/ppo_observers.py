@@ -23,7 +23,7 @@ from rlhf_core.data.sampler import global_batch
 from rlhf_core.distributed.device import resolve_device
 from rlhf_core.distributed.strategy import DeepSpeedStrategy, lr_lambda
 from rlhf_core.jobs import stage_setup
-from tests.config_keys.fakes import FixedRole, in_process
+from tests.config_keys.fakes import FixedEngines, FixedRole, in_process
 from tests.config_keys.harness import content_key, fingerprint, forward_record, lora_report, outcome
 from tests.config_keys.probes_training import engine_state, group_report
 
@@ -231,9 +231,10 @@ def rounded(values: Any) -> list[float]:
 
 def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
     """PPOController(...) (its reward sources checked), its experience phase on FIXED_RESPONSES with the roles
-    answering fixed numbers (FixedRole), then advantages: each source's scores, their weighted sum, advantages,
-    returns, the action tokens left per sample, the logs; with a loopback server at remote_rm_url, the requests it got
-    (rows of each, and whether a pause of >= 0.5 s came between two)."""
+    answering fixed numbers (FixedRole) and the prompts' labels and columns given as fit() gives them, then
+    advantages: each source's scores, their weighted sum, advantages, returns, the action tokens left per sample, the
+    logs; with a loopback server at remote_rm_url, the requests it got (rows of each, and whether a pause of >= 0.5 s
+    came between two)."""
     from rlhf_core.jobs.ppo.experience import advantages
 
     server = REWARD_SERVERS.get(cfg.stage(stage).remote_rm_url or "")
@@ -249,7 +250,7 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
         responses = [c.tokenizer.encode(t, add_special_tokens=False) + [c.eos_id] for t in FIXED_RESPONSES]
         prompts = c.prompts[:2]
         scored = c.experience_maker().make(
-            [e["prompt_ids"] for e in prompts], responses, [e["prompt"] for e in prompts]
+            [e["prompt_ids"] for e in prompts], responses, [e["prompt"] for e in prompts], columns=c.columns(prompts)
         )
         exp, logs = advantages(scored, c.p, c.kl_ctl.value)
         return {
@@ -272,6 +273,38 @@ def experience_phase(cfg: PipelineConfig, stage: str) -> Any:
             "backed_off": any(b - a >= 0.5 for a, b in zip(times, times[1:])),
         }
     return out
+
+
+def held_out_accuracy(cfg: PipelineConfig, stage: str) -> Any:
+    """HeldOut.accuracy() of the held-out prompts as run() loads them (HeldOut.load), the engines answering fixed
+    responses of 2 or 3 characters (fakes.FixedEngines): the metrics, the judge the summary names and how each call
+    asked the engines to sample (n, temperature)."""
+
+    def run():
+        c = _ppo_setup(cfg, stage)
+        asked: list[dict] = []
+        metrics = c.held_out.accuracy(FixedEngines(c.eos_id, asked), c.p, c.tokenizer)
+        return {
+            "metrics": {k: round(v, 6) for k, v in metrics.items()},
+            "judge": c.held_out.described().get("eval_judge"),
+            "sampling": [(a["sampling"]["n"], a["sampling"]["temperature"]) for a in asked],
+        }
+
+    return outcome(run)
+
+
+SYNC_GAPS = (2e-6, 0.01, 0.3)  # gaps between the engines' and the actor's log-probs of the probe sequence
+
+
+def sync_check(cfg: PipelineConfig, stage: str) -> list:
+    """evaluation.check_engine_sync as fit() calls it at the stage's end (the stage's tolerance and the actor's
+    precision) on metrics whose sync_engine_vs_actor_max_diff is each of SYNC_GAPS: None (passed) or what it raised."""
+    from rlhf_core.jobs.ppo.evaluation import check_engine_sync
+
+    p = as_ppo(cfg.stage(stage))
+    tolerance, precision = p.train.sync_check_tolerance, p.actor.strategy.precision
+    metrics = [{"sync_engine_vs_actor_max_diff": gap} for gap in SYNC_GAPS]
+    return [outcome(lambda m=m: check_engine_sync(stage, m, tolerance, precision)) for m in metrics]
 
 
 def old_logprobs_phase(cfg: PipelineConfig, stage: str) -> Any:

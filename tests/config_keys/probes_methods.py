@@ -14,7 +14,7 @@ from rlhf_core.data.datasets import read_dataset
 from rlhf_core.run_layout import open_store
 from tests.config_keys.fakes import RecordingCluster
 from tests.config_keys.harness import DATA, Probe, close, content_key, job_module, outcome, probe
-from tests.config_keys.probes_ppo import PROMPT_ROWS, PROMPT_SPLITS
+from tests.config_keys.probes_ppo import PROMPT_ROWS, PROMPT_SPLITS, QUESTIONS, REWARD_FNS
 from tests.config_keys.probes_training import (
     PREFERENCE_KEYS,
     TRAINING_SECTION,
@@ -267,6 +267,16 @@ GENERATE_SECTION: dict[str, Probe] = {
     "data.input_key": probe(
         "{stage}.data.input_key=question", observe=job_output, base=(f"{{stage}}.data.train_path={PROMPT_ROWS}",)
     ),
+    "data.label_key": probe(  # each prompt's question, copied to each of its response rows
+        "{stage}.data.label_key=question",
+        observe=job_output,
+        base=(f"{{stage}}.data.train_path={PROMPT_ROWS}",),
+        expect=lambda a, b: (
+            "question" not in a[0]
+            and len(b) == 8
+            and [r["question"] for r in b] == [QUESTIONS[r["prompt"]] for r in b]
+        ),
+    ),
     "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=prompts_of),
     "data.apply_chat_template": probe("{stage}.data.apply_chat_template=false", observe=prompts_of),
     "reference.name_or_path": probe("{stage}.reference.name_or_path=builtin:small", observe=kl_to_ref),
@@ -401,6 +411,14 @@ SCORE_SECTION: dict[str, Probe] = {
     ),
     "data.prompt_key": probe("{stage}.data.prompt_key=query", observe=scores_of),
     "data.response_key": probe("{stage}.data.response_key=answer", observe=scores_of),
+    "data.label_key": probe(  # each row's answer reaches the reward function as its label
+        "{stage}.data.label_key=answer",
+        observe=scores_of,
+        base=("{stage}.reward=null", f"{{stage}}.reward_fn={REWARD_FNS}:label_length"),
+        expect=lambda a, b: (
+            {r["score"] for r in a} == {0.0} and [r["score"] for r in b] == [float(len(r["answer"])) for r in b]
+        ),
+    ),
     "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=scores),
     "data.apply_chat_template": probe("{stage}.data.apply_chat_template=false", observe=scores),
     "reward.name_or_path": probe("{stage}.reward.name_or_path={rm_seed1}", observe=scores),

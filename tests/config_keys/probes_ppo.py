@@ -5,7 +5,9 @@ the reward sources, and ``ppo_section``, which builds each kind's rows of PPOCon
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tests.config_keys.fakes import RM_RAW
@@ -16,6 +18,7 @@ from tests.config_keys.ppo_observers import (
     experience_phase,
     first_prompts,
     frozen_engines,
+    held_out_accuracy,
     micro_batches,
     old_logprobs_phase,
     ppo_controller,
@@ -33,6 +36,7 @@ from tests.config_keys.ppo_observers import (
     rollout_sampling,
     rounded,
     sampling,
+    sync_check,
     train_phase,
 )
 from tests.config_keys.probes_training import (
@@ -100,6 +104,9 @@ PPO_BASE = (
 )  # 32 prompts / 16 per step = 2 PPO steps
 PROMPT_ROWS = f"{DATA / 'prompts.jsonl'}"
 PROMPT_SPLITS = f"{DATA / 'prompts_splits'}"
+# PROMPT_ROWS' labels when data.label_key = question: each prompt's question
+QUESTIONS = {r["prompt"]: r["question"] for r in map(json.loads, Path(PROMPT_ROWS).read_text().splitlines())}
+REWARD_FNS = "tests/data/config_keys/reward_fn.py"  # response_length, is_short, label_length
 # The real job runs (roles in-process): 24 prompts / 8 per step = 3 PPO steps, checkpoints after steps 1 and 2.
 PPO_RUN_BASE = (
     "{stage}.data.max_samples=24",
@@ -155,6 +162,56 @@ KL_LOSS = (
     "{stage}.reference.model.name_or_path=builtin:tiny",
     "{stage}.reference.model.init_seed=1",
 )
+
+# The held-out accuracy (greedy) and pass@k, judged by the stage's reward_fn (the response's length) unless
+# eval_reward_fn names another judge: 8 held-out prompts, answered by fakes.FixedEngines with 3, 2, 2, 3, 2, 2, 3, 2
+# characters (greedy), every third sample of 3.
+JUDGE = (f"{{stage}}.reward_fn={REWARD_FNS}:response_length",)
+GREEDY = (*JUDGE, "{stage}.train.eval_greedy=true")
+
+
+def _accuracy(observed: dict) -> float:
+    return observed["metrics"]["accuracy_greedy"]
+
+
+EVAL_PROBES: dict[str, Probe] = {
+    "train.eval_greedy": probe(  # every answer scores at least 1: all correct
+        "{stage}.train.eval_greedy=true",
+        observe=held_out_accuracy,
+        base=JUDGE,
+        expect=lambda a, b: (
+            a == {"metrics": {}, "judge": None, "sampling": []}
+            and b["sampling"] == [(1, 0.0)]
+            and (_accuracy(b), b["metrics"]["eval_rows"]) == (1.0, 8.0)
+        ),
+    ),
+    "train.eval_pass_k": probe(  # 4 answers per prompt at the rollout temperature
+        "{stage}.train.eval_pass_k=4",
+        observe=held_out_accuracy,
+        base=JUDGE,
+        expect=lambda a, b: a["metrics"] == {} and b["sampling"] == [(4, 1.0)] and b["metrics"]["pass_at_4"] == 1.0,
+    ),
+    "train.eval_reward_fn": probe(  # 5 of the 8 greedy answers are short
+        f"{{stage}}.train.eval_reward_fn={REWARD_FNS}:is_short",
+        observe=held_out_accuracy,
+        base=GREEDY,
+        expect=lambda a, b: (
+            (a["judge"], b["judge"]) == (f"{REWARD_FNS}:response_length", f"{REWARD_FNS}:is_short")
+            and (_accuracy(a), _accuracy(b)) == (1.0, 0.625)
+        ),
+    ),
+    "train.eval_correct_at": probe(  # 3 of the 8 greedy answers have 3 characters
+        "{stage}.train.eval_correct_at=3",
+        observe=held_out_accuracy,
+        base=GREEDY,
+        expect=lambda a, b: (_accuracy(a), _accuracy(b)) == (1.0, 0.375),
+    ),
+    "train.sync_check_tolerance": probe(  # the gaps 2e-6, 0.01 and 0.3: the second now passes
+        "{stage}.train.sync_check_tolerance=0.1",
+        observe=sync_check,
+        expect=lambda a, b: a == [None, *[("raised", "RuntimeError")] * 2] and b == [None, None, a[2]],
+    ),
+}
 
 # The estimators, the actor-loss options and the reward sources (the kinds' StageKind.unused filters them): fast on
 # experience_phase / advantage_phase, slow where they act in PolicyActor.fit (train_phase on the in-process roles).
@@ -317,6 +374,21 @@ def ppo_section(kind: str) -> dict[str, Probe]:
         "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=ppo_controller),
         "data.apply_chat_template": probe("{stage}.data.apply_chat_template=false", observe=ppo_controller),
         "data.input_key": probe("{stage}.data.input_key=question", observe=ppo_controller, base=on_splits),
+        "data.label_key": probe(  # each prompt's question reaches the reward function as its label
+            "{stage}.data.label_key=question",
+            observe=experience_phase,
+            base=(
+                f"{{stage}}.data.train_path={PROMPT_ROWS}",
+                f"{{stage}}.data.eval_path={PROMPT_ROWS}",
+                *on_splits[2:],
+                "{stage}.reward.model=null",
+                f"{{stage}}.reward_fn={REWARD_FNS}:label_length",
+            ),
+            expect=lambda a, b: (
+                _result("parts")(a) == {"reward_fn": [0.0] * 4}
+                and _result("parts")(b) == {"reward_fn": [float(len(QUESTIONS[q])) for q in _result("prompts")(b)]}
+            ),
+        ),
     }
     for role in ("actor", "critic") if trains_actor else ("critic",):  # the trained roles' adapters
         out |= lora_probes(f"{role}.model", role_lora(role), base=BUILTIN_BASES[role])
@@ -605,6 +677,7 @@ def ppo_section(kind: str) -> dict[str, Probe]:
         ),
         "train.eval_prompts": probe("{stage}.train.eval_prompts=4", observe=ppo_controller),
         "train.gold_reward": probe("{stage}.train.gold_reward=null", observe=ppo_controller),
+        **EVAL_PROBES,
     }
     if trains_actor:
         out["train.freeze_actor_steps"] = probe("{stage}.train.freeze_actor_steps=1", observe=ppo_controller)
