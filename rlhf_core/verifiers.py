@@ -4,9 +4,10 @@
 
 - ``math_reward``: 1.0 when math-verify finds the response's answer equal to the label (a number or a string such as
   ``"42"``, ``"1/2"``, ``"\\frac{1}{2}"``), else 0.0. The answer is what the last ``<answer>...</answer>`` holds,
-  else the whole response, from which math-verify extracts the answer itself: it prefers a boxed or "answer is"
-  answer, else takes the last number or expression, so ``"17 + 25 = 42."``, ``"The answer is 42"`` and
-  ``"The answer is 42. Note 17 is prime."`` all give 42.
+  else the whole response when it holds a ``\\boxed{}`` answer or is a bare formula (math-verify extracts it),
+  else the response's last number: ``"17 + 25 = 42."`` and ``"The answer is 42"`` give 42. Never the last expression: math-verify would
+  evaluate a restated question (``"To add 17 + 25, ..."`` is 42 to it), and a policy learns to restate it.
+  ``math_gold(prompt, response, label)`` is the same for one row, as a stage's ``gold_reward``.
 - ``format_reward``: 1.0 when the response holds exactly one ``<answer>...</answer>`` with non-blank content, else
   0.0 (no partial credit); it needs no label.
 - ``reasoning_gym_reward``: the score of reasoning-gym's own scorer for the task the label comes from (the label is
@@ -50,6 +51,7 @@ POOL_SIZE = max(1, min(4, os.cpu_count() or 1))
 COUNTS: Counter[str] = Counter()  # rows scored 0.0 because they timed out ("timeouts") or raised ("errors")
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")  # 42, -3, 1,024, 0.5, 1/2
 MATH_VERIFY = "math_verify"
 REASONING_GYM = "reasoning_gym"
 _ROOT = str(Path(__file__).resolve().parent.parent)  # where rlhf_core is imported from, for the workers
@@ -62,8 +64,23 @@ _ROOT = str(Path(__file__).resolve().parent.parent)  # where rlhf_core is import
 def math_reward(prompts: Sequence, responses: Sequence[str], *, labels: Sequence, **_: Any) -> list[float]:
     """1.0 per row whose answer math-verify finds equal to its label, else 0.0."""
     golds = [_label_text(label, i) for i, label in enumerate(_labels(labels, responses, "math_reward"), start=1)]
-    rows = [(gold, _answer(r, r)) for gold, r in zip(golds, responses, strict=True)]
+    rows = [(gold, _answer(r, _math_answer(r))) for gold, r in zip(golds, responses, strict=True)]
     return score_rows(_math_row, rows, MATH_VERIFY, "math_reward")
+
+
+def _math_answer(response: str) -> str:
+    """A response without an ``<answer>`` tag: all of it when it has a boxed answer or is a bare formula (no word
+    outside LaTeX commands, as ``\\frac{1}{2}``), else its last number ("" when it has none)."""
+    if "\\boxed" in response or not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", response)):
+        return response
+    numbers = NUMBER_RE.findall(response)
+    return numbers[-1].replace(",", "") if numbers else ""
+
+
+def math_gold(prompt: Any, response: str, label: Any) -> float:
+    """``math_reward`` of one row, as a gold reward (``gold_reward:`` of a generate or PPO-kind stage, given each
+    row's label): 1.0 when the answer equals the label, else 0.0; its mean is the accuracy."""
+    return math_reward([prompt], [response], labels=[label])[0]
 
 
 def format_reward(prompts: Sequence, responses: Sequence[str], **_: Any) -> list[float]:

@@ -6,18 +6,30 @@ from pathlib import Path
 import pytest
 
 import bench.quality
-from bench.quality import METHODS, PRESETS, StageRun, format_row, main, plan_reuse, quality, select_methods, summary
+from bench.quality import (
+    METHODS,
+    PRESETS,
+    REAL_MODEL,
+    StageRun,
+    format_row,
+    main,
+    plan_reuse,
+    quality,
+    select_methods,
+    summary,
+)
 from rlhf_core.config import load_config
 
 
 def test_all_methods_by_default_and_a_selection_in_the_benchmarks_order():
-    assert select_methods(None) == select_methods("all") == list(METHODS)
+    assert select_methods(None) == select_methods("all") == [m for m in METHODS if m not in REAL_MODEL]
     assert select_methods("kto, dpo,rejection-sampling,dpo") == ["dpo", "kto", "rejection_sampling"]
+    assert select_methods("real") == select_methods("smollm2-rlvr") == ["smollm2_rlvr"]
 
 
 @pytest.mark.parametrize("text", ["dpo,sppo", ",", "DPO"])
 def test_an_unknown_method_is_refused_naming_the_known(text):
-    with pytest.raises(ValueError, match=r"in --methods \(known: dpo, kto, rejection_sampling, .*ppo, lora, moe\)"):
+    with pytest.raises(ValueError, match=r"in --methods \(known: dpo, kto, rejection_sampling, .*ppo, lora, smollm2_rlvr, moe\)"):
         select_methods(text)
 
 
@@ -27,7 +39,8 @@ def test_main_refuses_an_unknown_method_in_one_line_before_running_anything(tmp_
     assert str(e.value) == (
         "error: unknown method 'sppo' in --methods "
         "(known: dpo, kto, rejection_sampling, iterative_dpo, grpo, grpo_async, grpo_partial, grpo_rollout_logprobs, "
-        "grpo_gspo, grpo_is_correction, grpo_dynamic_batch, reinforce, rloo, rlvr, qlora_dpo, jamba, ppo, lora, moe)"
+        "grpo_gspo, grpo_is_correction, grpo_dynamic_batch, reinforce, rloo, rlvr, qlora_dpo, jamba, ppo, lora, "
+        "smollm2_rlvr, moe)"
     )
     assert not any(tmp_path.iterdir())
 

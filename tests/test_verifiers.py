@@ -22,20 +22,23 @@ def math(responses, labels):
 def test_math_reward_right_and_wrong_answers_in_several_formats():
     responses = ["42", "41", "<answer>0.5</answer>", "\\frac{1}{2}", "3,000", "-7", "x = 17 + 25", ""]
     labels = [42, "42", "1/2", 0.5, 3000, "-7", 42, "42"]
-    # 42 = 42; 41 != 42; 0.5 = 1/2; 1/2 = 0.5; "3,000" is 3000; -7 = -7; 17 + 25 is evaluated to 42; nothing found
-    assert math(responses, labels) == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    # 42 = 42; 41 != 42; 0.5 = 1/2; 1/2 = 0.5; "3,000" is 3000; -7 = -7; a restated expression is not an answer
+    # (its last number, 25, is compared: a policy would learn to restate the question); nothing found
+    assert math(responses, labels) == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_math_reward_reads_the_last_answer_tag_else_what_math_verify_extracts():
     responses = [
-        "17 + 25 = 42.",  # no tag: math-verify takes the last number, 42
-        "The answer is 42",  # "answer is" comes first in math-verify's order: 42
-        "The answer is 42. Note 17 is prime.",  # still 42, not the last number 17
+        "17 + 25 = 42.",  # no tag: the last number, 42
+        "The answer is 42",  # the last number: 42
+        "The answer is 42. Note 17 is prime.",  # the last number, 17: a number after the answer costs the reward
         "<answer>41</answer> though the sum 17 + 25 is 42",  # the tag wins: 41
         "<answer>1</answer> no, <answer>42</answer>",  # the last tag: 42
         "<answer></answer> 42",  # an empty tag: nothing to compare, the 42 outside is not read
     ]
-    assert math(responses, [42] * 6) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    assert math(responses, [42] * 6) == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    # the question restated, as a policy learns to do when an expression counts: its last number, 45, is not 63
+    assert math(["To calculate 18 + 45, you simply add them together by", "\\boxed{63}"], [63, 63]) == [0.0, 1.0]
 
 
 def test_math_reward_takes_an_entry_label_and_refuses_missing_labels():
@@ -110,3 +113,9 @@ def test_the_rewards_work_off_the_main_thread():
     thread.start()
     thread.join(timeout=60)
     assert out == {"math": [1.0, 0.0], "format": [1.0]}
+
+
+def test_math_gold_scores_one_row_as_math_reward_does():
+    # the gold reward of a generate stage: one row, its label; "18 + 45 = 63" -> 63 equals "63"; 62 does not
+    assert verifiers.math_gold("Calculate 18 + 45.", "18 + 45 = 63", "63") == 1.0
+    assert verifiers.math_gold("Calculate 18 + 45.", "The answer is 62.", 63) == 0.0

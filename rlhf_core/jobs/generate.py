@@ -203,7 +203,11 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
             "truncated": sum(row["finish_reason"] == "length" for row in rows) / len(rows),
         }
         if gold is not None:
-            metrics["gold_reward"] = sum(row["gold_reward"] for row in rows) / len(rows)
+            golds = [row["gold_reward"] for row in rows]
+            metrics["gold_reward"] = mean = sum(golds) / len(golds)
+            # the standard error of the mean (for a 0/1 verifier as gold: the accuracy's)
+            spread = sum((g - mean) ** 2 for g in golds) / max(1, len(golds) - 1)
+            metrics["gold_reward_se"] = (spread / len(golds)) ** 0.5
         if kl is not None:
             metrics["kl_to_ref"] = sum(kl) / len(kl)
         write_dataset(
