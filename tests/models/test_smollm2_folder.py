@@ -104,6 +104,7 @@ def greedy(model, tokenizer, max_new_tokens: int = 8) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test-all: the real-model GRPO test in make test loads the same folder
 def test_the_real_folder_is_the_gguf_model(smollm2_dir):
     """Tied embeddings, the GGUF's shape and ChatML tokens, the project's model checks, and the same greedy answer
     from the folder as from the GGUF itself."""
