@@ -5,8 +5,9 @@
 - ``math_reward``: 1.0 when math-verify finds the response's answer equal to the label (a number or a string such as
   ``"42"``, ``"1/2"``, ``"\\frac{1}{2}"``), else 0.0. The answer is what the last ``<answer>...</answer>`` holds,
   else the whole response when it holds a ``\\boxed{}`` answer or is a bare formula (math-verify extracts it),
-  else the response's last number: ``"17 + 25 = 42."`` and ``"The answer is 42"`` give 42. Never the last expression: math-verify would
-  evaluate a restated question (``"To add 17 + 25, ..."`` is 42 to it), and a policy learns to restate it.
+  else the response's last number: ``"17 + 25 = 42."`` and ``"The answer is 42"`` give 42. Never the last
+  expression: math-verify would evaluate a restated question (``"To add 17 + 25, ..."`` is 42 to it), and a
+  policy learns to restate it.
   ``math_gold(prompt, response, label)`` is the same for one row, as a stage's ``gold_reward``.
 - ``format_reward``: 1.0 when the response holds exactly one ``<answer>...</answer>`` with non-blank content, else
   0.0 (no partial credit); it needs no label.

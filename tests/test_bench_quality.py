@@ -29,7 +29,8 @@ def test_all_methods_by_default_and_a_selection_in_the_benchmarks_order():
 
 @pytest.mark.parametrize("text", ["dpo,sppo", ",", "DPO"])
 def test_an_unknown_method_is_refused_naming_the_known(text):
-    with pytest.raises(ValueError, match=r"in --methods \(known: dpo, kto, rejection_sampling, .*ppo, lora, smollm2_rlvr, moe\)"):
+    known = r"in --methods \(known: dpo, kto, rejection_sampling, .*ppo, lora, smollm2_rlvr, moe\)"
+    with pytest.raises(ValueError, match=known):
         select_methods(text)
 
 
