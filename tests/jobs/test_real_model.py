@@ -50,4 +50,4 @@ def test_a_few_grpo_steps_on_smollm2_with_labels_keep_the_vllm_engine_exact(smol
     # the labels reached the verifier: some sampled answers were right, some wrong
     assert max(h["reward_fn_score"] for h in history) > 0.0 and min(h["reward_fn_score"] for h in history) < 1.0
     assert m["eval_rows_before"] == m["eval_rows_after"] == 8 and 0.0 <= m["accuracy_greedy_before"] <= 1.0
-    assert "accuracy_greedy_se_after" in m and m["eval_judge"] == "rlhf_core.verifiers:math_reward"
+    assert "accuracy_greedy_se_after" in m and all(isinstance(v, int | float) for v in m.values())

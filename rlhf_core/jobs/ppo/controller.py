@@ -522,7 +522,8 @@ class PPOController:
         }
         metrics.update(summary_metrics(state["history"], state["before"], after, probes))
         check_engine_sync(self.stage, metrics, self.p.train.sync_check_tolerance, self.p.actor.strategy.precision)
-        metrics.update(self.held_out.described())
+        # which rewards the evaluation used: named in the log (the final metrics hold numbers only)
+        print(f"[{self.stage}] evaluated with {_fmt(self.held_out.described())}", flush=True)
         self.history = state["history"]
         return metrics
 
