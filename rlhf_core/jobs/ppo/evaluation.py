@@ -47,7 +47,7 @@ from rlhf_core.rewards import gold_spec as resolve_gold
 @dataclasses.dataclass
 class HeldOut:
     """The held-out prompts (``prompt_examples`` rows: ``prompt``, ``prompt_ids``, their labels and columns; none
-    without ``eval_prompts``), the gold-reward function (None without one; ``gold_spec``: which, for the summary)
+    without ``eval_prompts``), the gold-reward function (None without one; ``gold_spec``: which, for the log)
     and the judge of the greedy accuracy and pass@k (``judge_spec`` at ``judge_key``; None when neither is asked)."""
 
     examples: list[dict]
@@ -91,7 +91,7 @@ class HeldOut:
         return [e["prompt_ids"] for e in self.examples]
 
     def described(self) -> dict[str, str]:
-        """Which rewards the evaluation used, for the summary: the gold reward and the accuracy's judge."""
+        """Which rewards the evaluation used, for the stage's log: the gold reward and the accuracy's judge."""
         out = {"eval_gold_reward": self.gold_spec or "none"}
         return out | ({"eval_judge": self.judge_spec} if self.judge is not None else {})
 
