@@ -33,7 +33,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def mean_pass_at_k(correct: Sequence[Sequence[bool]], k: int) -> tuple[float, float]:
     """(mean pass@k over prompts, its standard error) of each prompt's correct flags; (0, 0) for no prompts."""
-    values = [pass_at_k(len(flags), sum(bool(f) for f in flags), k) for flags in correct]
+    return mean_and_se([pass_at_k(len(flags), sum(bool(f) for f in flags), k) for flags in correct])
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, standard error of the mean: sample std / sqrt(n)); the error is 0 for one value, (0, 0) for none."""
     m = len(values)
     if m == 0:
         return 0.0, 0.0

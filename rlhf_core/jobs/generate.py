@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from rlhf_core import run_layout
+from rlhf_core.algos.accuracy import mean_and_se
 from rlhf_core.config import ConfigError, GenerateConfig, PipelineConfig
 from rlhf_core.data.datasets import write_dataset
 from rlhf_core.data.examples import prompt_examples
@@ -177,11 +178,16 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
 
         # 4. rows, metrics, commit
         rows, label_key = [], g.data.label_key
+        texts = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in responses]
+        golds = None  # each row's gold reward, in one call (its label with it)
+        if gold is not None:
+            labels = [prompts[k // n]["label"] for k in range(len(texts))] if label_key is not None else None
+            golds = call_gold(gold, [prompts[k // n]["prompt"] for k in range(len(texts))], texts, labels)
         for k, tokens in enumerate(responses):
             i, j = divmod(k, n)
             row = {
                 "prompt": prompts[i]["prompt"],
-                "response": tokenizer.decode(tokens, skip_special_tokens=True),
+                "response": texts[k],
                 "prompt_index": i,
                 "sample_index": j,
                 "response_tokens": len(tokens),
@@ -189,9 +195,8 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
             }
             if label_key is not None:  # the prompt's label, under its own key, for a score stage to pass on
                 row[label_key] = prompts[i]["label"]
-            if gold is not None:
-                label = [prompts[i]["label"]] if label_key is not None else None
-                row["gold_reward"] = call_gold(gold, [row["prompt"]], [row["response"]], label)[0]
+            if golds is not None:
+                row["gold_reward"] = golds[k]
             if kl is not None:
                 row["kl_to_ref"] = kl[k]
             rows.append(row)
@@ -203,11 +208,8 @@ def run(cfg: PipelineConfig, stage: str = KIND, cluster: Cluster | None = None) 
             "truncated": sum(row["finish_reason"] == "length" for row in rows) / len(rows),
         }
         if gold is not None:
-            golds = [row["gold_reward"] for row in rows]
-            metrics["gold_reward"] = mean = sum(golds) / len(golds)
             # the standard error of the mean (for a 0/1 verifier as gold: the accuracy's)
-            spread = sum((g - mean) ** 2 for g in golds) / max(1, len(golds) - 1)
-            metrics["gold_reward_se"] = (spread / len(golds)) ** 0.5
+            metrics["gold_reward"], metrics["gold_reward_se"] = mean_and_se([row["gold_reward"] for row in rows])
         if kl is not None:
             metrics["kl_to_ref"] = sum(kl) / len(kl)
         write_dataset(
