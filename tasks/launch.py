@@ -73,12 +73,34 @@ HEAD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 @contextlib.contextmanager
-def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]:
+def ray_head(cpus: float | None = None, timeout_s: float = 180, attempts: int = 2) -> Iterator[str]:
     """A one-node Ray cluster on this machine for the stage jobs of one run, its address yielded once it is up: a
     ``ray start --head --block`` in a session of its own, on loopback, with its own temp dir and free ports (other
     Rays on the machine are left alone), CPUs as a job's own local Ray would get (the machine's, at least
     ``cpus``), GPUs detected. Stopped by pid when the context ends (never ``ray stop``, which stops every Ray of the
-    machine), by ``kill_all_jobs``, and by its guard (``guard_head``) when this process is gone without either."""
+    machine), by ``kill_all_jobs``, and by its guard (``guard_head``) when this process is gone without either.
+
+    A head that exits or is not up within ``timeout_s`` is stopped and started again, on new ports and a new temp dir
+    (Ray picks some of its own ports, which another process may take first), up to ``attempts`` times; the error
+    then carries the last start's log."""
+    for attempt in range(1, attempts + 1):
+        try:
+            pid, address = _start_head(cpus, timeout_s)
+        except RuntimeError as e:
+            if attempt == attempts:
+                raise
+            print(f"{e}\nstarting the run's Ray head again ({attempt + 1}/{attempts})", file=sys.stderr, flush=True)
+            continue
+        try:
+            yield address
+        finally:
+            _stop_head(pid)
+        return
+
+
+def _start_head(cpus: float | None, timeout_s: float) -> tuple[int, str]:
+    """Start one ``ray_head`` and wait until it is up: (the guard's pid, the head's address). One that exits or is
+    not up within ``timeout_s`` is stopped, and a RuntimeError carries the tail of its log."""
     temp = Path(tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     port = free_port("127.0.0.1")
     ports = [
@@ -118,15 +140,24 @@ def ray_head(cpus: float | None = None, timeout_s: float = 180) -> Iterator[str]
             start_new_session=True,
         )
     _HEADS[proc.pid] = (proc, temp)
+    deadline = time.time() + timeout_s
     try:
-        deadline = time.time() + timeout_s
         while "Ray runtime started" not in log.read_text():  # printed once GCS, raylet and agents are up
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the run's Ray head did not start ({' '.join(cmd)}):\n{log.read_text()[-3000:]}")
+                why = (
+                    f"exited with status {proc.returncode}"
+                    if proc.poll() is not None
+                    else f"not up in {timeout_s:g} s"
+                )
+                # the log is read here, before the stop removes the temp dir
+                raise RuntimeError(
+                    f"the run's Ray head did not start ({why}; {' '.join(cmd)}):\n{log.read_text()[-3000:]}"
+                )
             time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
+    except BaseException:
         _stop_head(proc.pid)
+        raise
+    return proc.pid, f"127.0.0.1:{port}"
 
 
 def _stop_head(pid: int) -> None:

@@ -4,13 +4,14 @@ RAY_ADDRESS, stopped by pid afterwards, nothing started when RAY_ADDRESS is set 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.jobs.stage_setup import ray_cpus
-from tasks.launch import _HEADS, HEAD_ENV, shared_ray
+from tasks.launch import _HEADS, HEAD_ENV, ray_head, shared_ray
 from tests.conftest import ROOT, TINY
 
 JOB = """
@@ -62,6 +63,22 @@ def test_stage_jobs_join_the_runs_ray_which_is_stopped_after(monkeypatch):
             assert float(got["cpus"]) >= max(os.cpu_count() or 1, ray_cpus(cfg.stage("ppo")))
     assert "RAY_ADDRESS" not in os.environ and not _HEADS
     assert not _cluster_pids(str(temp)) and not temp.exists()
+
+
+def test_a_head_that_is_not_up_in_time_is_stopped_and_started_again(capfd):
+    """A real ``ray start`` given 0.3 s: each of the two attempts is stopped with all it started (GCS, raylet), the
+    second is made on new ports and a new temp dir, and the error names the cause and carries the start's log."""
+    before = set(_cluster_pids("/tmp/rlhf-ray-"))
+    match = r"the run's Ray head did not start \(not up in 0.3 s; "
+    with pytest.raises(RuntimeError, match=match) as err, ray_head(timeout_s=0.3, attempts=2):
+        pytest.fail("the head cannot be up in 0.3 s")
+    assert "--head" in str(err.value)
+    retried = capfd.readouterr().err
+    assert "starting the run's Ray head again (2/2)" in retried
+    temps = {part for line in (retried, str(err.value)) for part in line.split() if part.startswith("--temp-dir=")}
+    assert len(temps) == 2  # a new temp dir (and new ports) for the second attempt
+    assert not _HEADS and not set(_cluster_pids("/tmp/rlhf-ray-")) - before
+    assert not any(Path(t.split("=", 1)[1]).exists() for t in temps)
 
 
 def test_nothing_starts_with_a_cluster_given_or_without_ray_stages(monkeypatch):

@@ -95,7 +95,11 @@ def deployed_run(prefect_server, work_pool, tmp_path_factory):
     )
     heads_before = ray_heads_of_runs()
     flow_run = run_deployment("rlhf-pipeline/tiny-nightly", timeout=900)
-    assert flow_run.state.is_completed(), (flow_run.state, work_pool["worker_log"].read_text()[-3000:])
+    if not flow_run.state.is_completed():  # the whole message: a state's repr is cut short
+        pytest.fail(
+            f"{flow_run.state.name}: {flow_run.state.message}\n--- the run's log:\n{run_logs(flow_run.id)[-6000:]}"
+            f"\n--- the worker's log:\n{work_pool['worker_log'].read_text()[-3000:]}"
+        )
     return flow_run, run_dir, heads_before
 
 

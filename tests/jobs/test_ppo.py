@@ -116,6 +116,7 @@ def test_ppo_with_lora_actor_and_critic_on_zero3_and_vllm(run_dir):
     AutoModelForSequenceClassification.from_pretrained(merged)
 
 
+@pytest.mark.extended  # a quality proof (make test-all); make test runs PPO on both engines above
 def test_ppo_raises_the_gold_reward_of_the_sft_policy(run_dir):
     # tiny preset: HF generate backend, 12 steps of 16 prompts x 2 samples; adaptive KL towards a token-mean target
     ref = run_ppo(run_dir, f"ppo.algo.kl_target={KL_TARGET}", f"ppo.algo.kl_horizon={KL_HORIZON}")
