@@ -147,6 +147,22 @@ METHODS = {
         note="SmolLM2-135M-Instruct, GRPO with math-verify on 2-digit addition: held-out greedy accuracy (200 rows), "
         "not a gold reward",
     ),
+    "smollm2_ppo": Method(
+        "smollm2-ppo",
+        ("ppo", "accuracy_greedy_before"),
+        ("ppo", "accuracy_greedy_after"),
+        ("ppo", "kl_to_ref_after"),
+        note="SmolLM2-135M-Instruct, the five PPO stages on pairs the pipeline verified itself: held-out greedy "
+        "accuracy (200 rows) of the SFT policy and of PPO's, judged by math-verify",
+    ),
+    "smollm2_dpo": Method(
+        "smollm2-dpo",
+        ("eval_sft", "gold_reward"),
+        ("eval_dpo", "gold_reward"),
+        ("eval_dpo", "kl_to_ref"),
+        note="SmolLM2-135M-Instruct, DPO on the same verified pairs: held-out greedy accuracy (200 rows, "
+        "math_gold) of the SFT policy and of DPO's",
+    ),
     "moe": Method(
         "tiny-moe",
         ("ppo", "gold_reward_before"),
@@ -157,7 +173,11 @@ METHODS = {
 }
 
 
-REAL_MODEL = ("smollm2_rlvr",)  # rows on a real pretrained model: run only when named (or by ``real``)
+REAL_MODEL = (
+    "smollm2_rlvr",
+    "smollm2_ppo",
+    "smollm2_dpo",
+)  # rows on a real pretrained model: run only when named (or by ``real``)
 
 
 def select_methods(text: str | None) -> list[str]:

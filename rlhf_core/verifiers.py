@@ -5,9 +5,10 @@
 - ``math_reward``: 1.0 when math-verify finds the response's answer equal to the label (a number or a string such as
   ``"42"``, ``"1/2"``, ``"\\frac{1}{2}"``), else 0.0. The answer is what the last ``<answer>...</answer>`` holds,
   else the whole response when it holds a ``\\boxed{}`` answer or is a bare formula (math-verify extracts it),
-  else the response's last number: ``"17 + 25 = 42."`` and ``"The answer is 42"`` give 42. Never the last
-  expression: math-verify would evaluate a restated question (``"To add 17 + 25, ..."`` is 42 to it), and a
-  policy learns to restate it.
+  else the response's last number: ``"17 + 25 = 42."`` and ``"The answer is 42"`` give 42. Of an equation only the
+  right side of its last ``=`` counts, and an answer that still holds an operation between numbers counts as its
+  last number. Never the last expression: math-verify would evaluate a restated question (``"To add 17 + 25, ..."``,
+  ``"17 + 25"``, ``\\boxed{17+25}`` are 42 to it), and a policy learns to restate it.
   ``math_gold(prompt, response, label)`` is the same for one row, as a stage's ``gold_reward``.
 - ``format_reward``: 1.0 when the response holds exactly one ``<answer>...</answer>`` with non-blank content, else
   0.0 (no partial credit); it needs no label.
@@ -53,6 +54,8 @@ COUNTS: Counter[str] = Counter()  # rows scored 0.0 because they timed out ("tim
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")  # 42, -3, 1,024, 0.5, 1/2
+# two numbers joined by an operation (a fraction a/b is a number): 18 + 45, 2*3, 7 - 2, 2^{10}, 3 \\times 4
+OPERATION_RE = re.compile(r"\d\s*\)?\s*(?:[-+*^×÷·]|\\times|\\cdot|\\div)\s*[({]?\s*\d")
 MATH_VERIFY = "math_verify"
 REASONING_GYM = "reasoning_gym"
 _ROOT = str(Path(__file__).resolve().parent.parent)  # where rlhf_core is imported from, for the workers
@@ -65,7 +68,7 @@ _ROOT = str(Path(__file__).resolve().parent.parent)  # where rlhf_core is import
 def math_reward(prompts: Sequence, responses: Sequence[str], *, labels: Sequence, **_: Any) -> list[float]:
     """1.0 per row whose answer math-verify finds equal to its label, else 0.0."""
     golds = [_label_text(label, i) for i, label in enumerate(_labels(labels, responses, "math_reward"), start=1)]
-    rows = [(gold, _answer(r, _math_answer(r))) for gold, r in zip(golds, responses, strict=True)]
+    rows = [(gold, _final(_answer(r, _math_answer(r)))) for gold, r in zip(golds, responses, strict=True)]
     return score_rows(_math_row, rows, MATH_VERIFY, "math_reward")
 
 
@@ -74,7 +77,19 @@ def _math_answer(response: str) -> str:
     outside LaTeX commands, as ``\\frac{1}{2}``), else its last number ("" when it has none)."""
     if "\\boxed" in response or not re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", response)):
         return response
-    numbers = NUMBER_RE.findall(response)
+    return _last_number(response)
+
+
+def _final(answer: str) -> str:
+    """What math-verify is given of an answer: the right side of its last ``=``, or, when that side still holds an
+    operation between numbers, its last number. math-verify evaluates what it parses, so a restated question
+    (``18 + 45``, ``\\boxed{18+45}``) would equal the answer; a policy learns to restate it."""
+    side = answer.rsplit("=", 1)[-1].strip()
+    return _last_number(side) if OPERATION_RE.search(side) else side
+
+
+def _last_number(text: str) -> str:
+    numbers = NUMBER_RE.findall(text)
     return numbers[-1].replace(",", "") if numbers else ""
 
 

@@ -24,12 +24,13 @@ from rlhf_core.config import load_config
 def test_all_methods_by_default_and_a_selection_in_the_benchmarks_order():
     assert select_methods(None) == select_methods("all") == [m for m in METHODS if m not in REAL_MODEL]
     assert select_methods("kto, dpo,rejection-sampling,dpo") == ["dpo", "kto", "rejection_sampling"]
-    assert select_methods("real") == select_methods("smollm2-rlvr") == ["smollm2_rlvr"]
+    assert select_methods("real") == ["smollm2_rlvr", "smollm2_ppo", "smollm2_dpo"]
+    assert select_methods("smollm2-dpo,smollm2-rlvr") == ["smollm2_rlvr", "smollm2_dpo"]
 
 
 @pytest.mark.parametrize("text", ["dpo,sppo", ",", "DPO"])
 def test_an_unknown_method_is_refused_naming_the_known(text):
-    known = r"in --methods \(known: dpo, kto, rejection_sampling, .*ppo, lora, smollm2_rlvr, moe\)"
+    known = r"in --methods \(known: dpo, kto, rejection_sampling, .*ppo, lora, smollm2_rlvr, .*, moe\)"
     with pytest.raises(ValueError, match=known):
         select_methods(text)
 
@@ -41,7 +42,7 @@ def test_main_refuses_an_unknown_method_in_one_line_before_running_anything(tmp_
         "error: unknown method 'sppo' in --methods "
         "(known: dpo, kto, rejection_sampling, iterative_dpo, grpo, grpo_async, grpo_partial, grpo_rollout_logprobs, "
         "grpo_gspo, grpo_is_correction, grpo_dynamic_batch, reinforce, rloo, rlvr, qlora_dpo, jamba, ppo, lora, "
-        "smollm2_rlvr, moe)"
+        "smollm2_rlvr, smollm2_ppo, smollm2_dpo, moe)"
     )
     assert not any(tmp_path.iterdir())
 

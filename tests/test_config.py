@@ -46,6 +46,7 @@ def test_partial_section_keeps_the_stage_defaults():
         ("sft.train.max_epochs=two", r"invalid value 'two' for 'sft.train.max_epochs': expected an integer"),
         ("sft.train.train_batch_size=12", r"'sft.train.train_batch_size'.*multiple of micro_train_batch_size"),
         ("sft.data.input_template=no-slot", r"'sft.data.input_template'"),
+        ("sft.data.prompt_template=no-slot", r"'sft.data.prompt_template'"),
         ("bogus=1", r"unknown config key 'bogus'"),
     ],
 )

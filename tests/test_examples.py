@@ -42,6 +42,23 @@ def test_chat_template_template_string_and_plain(tok):
     assert render_prompt(messages, tok, cfg) == "<|user|>a\n<|assistant|>b<|eos|>\n<|user|>c\n<|assistant|>"
 
 
+def test_a_prompt_template_wraps_the_question_inside_the_chat_template(tok):
+    """``prompt_template`` words the question (an instruction after it, say) and the chat template still applies;
+    in a message list only the last user message is worded; with input_template too, both apply in that order."""
+    cfg = DataSource(train_path="x", prompt_template="{} Answer with just the number.")
+    assert render_prompt("2 + 2?", tok, cfg) == "<|user|>2 + 2? Answer with just the number.\n<|assistant|>"
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    worded = "<|user|>a\n<|assistant|>b<|eos|>\n<|user|>c Answer with just the number.\n<|assistant|>"
+    assert render_prompt(messages, tok, cfg) == worded
+    assert messages[2]["content"] == "c"  # the row itself is left as it was
+    both = DataSource(train_path="x", prompt_template="Q: {}", input_template="{}\nA:")
+    assert render_prompt("hi", tok, both) == "Q: hi\nA:"
+
+
 def test_split_hh_cuts_before_the_last_assistant_turn():
     text = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: more?\n\nAssistant: sure thing"
     prompt, response = split_hh(text, "f row 1")

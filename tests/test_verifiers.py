@@ -41,6 +41,23 @@ def test_math_reward_reads_the_last_answer_tag_else_what_math_verify_extracts():
     assert math(["To calculate 18 + 45, you simply add them together by", "\\boxed{63}"], [63, 63]) == [0.0, 1.0]
 
 
+def test_math_reward_never_evaluates_an_operation_a_restated_question_is_not_its_answer():
+    """math-verify evaluates what it parses: "18 + 45" alone (a bare formula), tagged or boxed, would equal 63. An
+    equation's answer is its right side; a side that still holds an operation gives its last number."""
+    responses = [
+        "18 + 45",  # restated: its last number, 45
+        "<answer>18+45</answer>",  # tagged: 45
+        "\\boxed{18 + 45}",  # boxed: 45
+        "18 + 45 = 63",  # the right side: 63
+        "18 + 45 = \\boxed{63}",  # the right side, boxed: 63
+        "2 \\times 3 + 57",  # LaTeX operations too: 57
+        "\\frac{126}{2}",  # a fraction is a number, not an operation: 63
+        "57 - 87 = -30",  # a negative answer on the right side: -30, not 63
+    ]
+    assert math(responses, [63] * 8) == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    assert math(["57 - 87 = -30", "-30"], [-30, -30]) == [1.0, 1.0]
+
+
 def test_math_reward_takes_an_entry_label_and_refuses_missing_labels():
     assert math(["<answer>6</answer>"], [{"question": "1 + 5 =", "answer": "6", "metadata": {}}]) == [1.0]
     with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'labels'"):

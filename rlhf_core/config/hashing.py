@@ -43,6 +43,8 @@ _OFF_BY_DEFAULT.update({"use_rollout_logprobs": False, "rollout_logprobs_max_dif
 # No labels (data.label_key) and no held-out accuracy or pass@k: the hash a stage had before these keys existed.
 _OFF_BY_DEFAULT.update({"label_key": None, "eval_greedy": False, "eval_pass_k": 0, "eval_reward_fn": None})
 _OFF_BY_DEFAULT.update({"eval_correct_at": 1.0})
+# No data.prompt_template: prompts rendered as before the key existed.
+_OFF_BY_DEFAULT.update({"prompt_template": None})
 
 
 def _off(key: str, value: Any) -> bool:

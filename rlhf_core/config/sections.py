@@ -122,13 +122,20 @@ class DataSource:
     )
     max_samples: int | None = opt(None, "Use only the first N training rows.")
     input_template: str | None = opt(None, "Prompt template with one {} (e.g. 'User: {}\\nAssistant: ').")
+    prompt_template: str | None = opt(
+        None,
+        "Template with one {} for each row's prompt text (the last user message of a message list), applied before "
+        "the chat template, e.g. '{} Answer with just the number.'; input_template, by contrast, replaces the chat "
+        "template.",
+    )
     apply_chat_template: bool = opt(True, "Use the tokenizer's chat template when it has one.")
 
     def validate(self, key: str, min_len: int = 8) -> None:
         check(self.max_len >= min_len, f"{key}.max_len", self.max_len, f"must be >= {min_len}")
-        template = self.input_template
-        if template is not None and template.count("{}") != 1:
-            raise ConfigError(f"invalid value {template!r} for '{key}.input_template': needs exactly one {{}}")
+        for name in ("input_template", "prompt_template"):
+            template = getattr(self, name)
+            if template is not None and template.count("{}") != 1:
+                raise ConfigError(f"invalid value {template!r} for '{key}.{name}': needs exactly one {{}}")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Turn dataset rows into token ids for the SFT, reward-model, DPO and KTO stages, refusing bad rows up front.
 
-Prompt formatting, in order: a list of chat messages or ``apply_chat_template`` with a tokenizer that has a chat
-template -> the template; ``input_template`` -> ``template.format(prompt)``; otherwise the text as it is. With
+Prompt formatting, in order: ``prompt_template`` first wraps the prompt text (a message list's last user message);
+then a list of chat messages or ``apply_chat_template`` with a tokenizer that has a chat template -> the template;
+``input_template`` -> ``template.format(prompt)``; otherwise the text as it is. With
 ``output_key: null`` (SFT) or ``prompt_key: null`` (preferences) the texts are HH-RLHF transcripts
 ("\\n\\nHuman: ...\\n\\nAssistant: ...") split before the last assistant turn. Message lists are checked by
 :func:`rlhf_core.data.loading.require_keys` (roles, alternation, the answer last). Rows whose response is cut at
@@ -62,8 +63,20 @@ def _chat_template(tokenizer: Any, messages: list[dict], where: str | None) -> s
     )
 
 
+def templated(prompt: Any, template: str | None) -> Any:
+    """``prompt`` with ``template`` (``data.prompt_template``, one ``{}``) around its text: a string's whole text, a
+    message list's last user message; as it is without a template."""
+    if template is None:
+        return prompt
+    if not isinstance(prompt, list):
+        return template.format(prompt)
+    last = max((i for i, m in enumerate(prompt) if m.get("role") == "user"), default=None)
+    return [{**m, "content": template.format(m["content"])} if i == last else m for i, m in enumerate(prompt)]
+
+
 def render_prompt(prompt: Any, tokenizer: Any, cfg: DataSource, where: str | None = None) -> str:
     """Prompt text as the model sees it (a string, or a list of {'role', 'content'} messages)."""
+    prompt = templated(prompt, cfg.prompt_template)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, list):
         if not has_template:

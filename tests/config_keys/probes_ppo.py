@@ -372,6 +372,7 @@ def ppo_section(kind: str) -> dict[str, Probe]:
         "data.max_len": probe("{stage}.data.max_len=12", observe=ppo_controller),
         "data.max_samples": probe("{stage}.data.max_samples=16", observe=ppo_controller),
         "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=ppo_controller),
+        "data.prompt_template": probe("{stage}.data.prompt_template='Q: {{}} A:'", observe=ppo_controller),
         "data.apply_chat_template": probe("{stage}.data.apply_chat_template=false", observe=ppo_controller),
         "data.input_key": probe("{stage}.data.input_key=question", observe=ppo_controller, base=on_splits),
         "data.label_key": probe(  # each prompt's question reaches the reward function as its label

@@ -605,6 +605,9 @@ def data_probes(fixture: str, keys: dict[str, str]) -> dict[str, Probe]:
         "data.max_len": probe("{stage}.data.max_len=12", observe=train_examples, base=on_rows),
         "data.max_samples": probe("{stage}.data.max_samples=3", observe=train_examples, base=on_rows, expect=fewer),
         "data.input_template": probe("{stage}.data.input_template='Q: {{}} A:'", observe=train_examples, base=on_rows),
+        "data.prompt_template": probe(
+            "{stage}.data.prompt_template='Q: {{}} A:'", observe=train_examples, base=on_rows
+        ),
         "data.apply_chat_template": probe(
             "{stage}.data.apply_chat_template=false", observe=train_examples, base=on_rows
         ),
