@@ -173,11 +173,8 @@ METHODS = {
 }
 
 
-REAL_MODEL = (
-    "smollm2_rlvr",
-    "smollm2_ppo",
-    "smollm2_dpo",
-)  # rows on a real pretrained model: run only when named (or by ``real``)
+# rows on a real pretrained model: run only when named (or by ``real``)
+REAL_MODEL = ("smollm2_rlvr", "smollm2_ppo", "smollm2_dpo")
 
 
 def select_methods(text: str | None) -> list[str]:
