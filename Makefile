@@ -30,14 +30,15 @@ format: setup
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-# The test command: every capability once on the real engines (tests marked `extended` are left to test-all).
-# The 25 slowest tests close every run, so a CI log shows where the time goes.
+# The test command: every capability once on the real engines (tests marked `extended` are left to test-all), as
+# two pytest processes side by side, one per core (scripts/test.sh says how the tests are split). The 25 slowest
+# tests of each close every run, so a CI log shows where the time goes.
 test: setup
-	$(PY) -m pytest tests -q -m "not extended" --durations=25 $(ARGS)
+	bash scripts/test.sh -q -m "not extended" --durations=25 $(ARGS)
 
 # Everything: also each method's gold-reward proof and the slow variants that `make test` proves once.
 test-all: setup
-	$(PY) -m pytest tests -q --durations=25 $(ARGS)
+	bash scripts/test.sh -q --durations=25 $(ARGS)
 
 # Under 3 minutes: math, config, data, storage (real S3 server), stage graph, launcher, architecture; no Ray jobs.
 test-fast: setup

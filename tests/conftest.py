@@ -20,8 +20,10 @@ def ray_cluster():
     """One local Ray for the whole session (the jobs reuse an initialised Ray instead of starting their own)."""
     import ray
 
-    # logical CPUs: roles share the 2 cores; probe_node: a custom resource for the resources keys' probes
-    ray.init(num_cpus=8, resources={"probe_node": 100}, include_dashboard=False, log_to_driver=True)
+    # address="local": a Ray of this session's own, never a cluster of the other test stream (scripts/test.sh) that
+    # ray.init would otherwise find and join; logical CPUs: roles share the 2 cores; probe_node: a custom resource
+    # for the resources keys' probes
+    ray.init(address="local", num_cpus=8, resources={"probe_node": 100}, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
 

@@ -349,7 +349,8 @@ def _python312() -> str | None:
     return None
 
 
-@pytest.mark.slow  # builds the wheel folder and a Python 3.12 venv (about 15 s)
+@pytest.mark.slow  # builds the wheel folder and a Python 3.12 venv
+@pytest.mark.extended  # make test: the GPU check's code on CPU (test_dry_run_reports_every_check_and_passes)
 def test_the_wheel_folder_installs_into_python_312(tmp_path):
     python = _python312()
     if python is None:

@@ -211,6 +211,8 @@ def in_process_world():
 
 
 @pytest.mark.slow
+# make test: every key's probe that needs no run (test_key_changes_behaviour above); the run probes are test-all's
+@pytest.mark.extended
 @pytest.mark.parametrize("key", SLOW)
 def test_key_changes_behaviour_in_a_run(key, paths, ray_cluster, in_process_world):
     check(key, EFFECTS[key], paths)

@@ -189,7 +189,7 @@ def test_auto_is_decided_by_the_clusters_gpus_not_the_drivers(ray_cluster):
         "import ray, torch\n"
         "from rlhf_core.distributed.cluster import RayCluster\n"
         "from rlhf_core.distributed.device import resolve_device\n"
-        "ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False)\n"
+        "ray.init(address='local', num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False)\n"
         "c = RayCluster()\n"
         "print(torch.cuda.is_available(), resolve_device('auto'), c.device('auto'), c.device('cpu'))\n"
         "ray.shutdown()\n"

@@ -164,7 +164,7 @@ def assert_no_scratch(env: dict) -> None:
     assert not left, f"scratch folders left behind: {left}"
 
 
-# make test: a partial checkpoint is never read (tests/jobs/test_store_outage.py), a killed job resumes (below)
+# make test: a partial checkpoint is never read (tests/jobs/test_store_outage.py)
 @pytest.mark.extended
 def test_machine_loss_during_a_checkpoint_write_resumes_from_the_newest_complete_one(env, tmp_path, sft_a_done):
     run_dir, log = seeded(tmp_path / "ckpt" / "run", sft_a_done), tmp_path / "run.log"
@@ -203,6 +203,9 @@ def test_machine_loss_right_after_a_manifest_commit_does_not_relaunch_the_stage(
     assert_no_scratch(env)
 
 
+# make test: a failed run resumed without relaunching its finished stages (test_pipeline.py), a partial checkpoint
+# never read (tests/jobs/test_store_outage.py), PPO's exact resume (tests/jobs/test_ppo.py)
+@pytest.mark.extended
 def test_a_killed_job_is_retried_then_a_killed_orchestrator_is_resumed_at_once_never_with_two_writers(
     env, tmp_path, sft_a_done
 ):

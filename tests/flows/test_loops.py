@@ -11,7 +11,9 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
 from tests.flows.test_pipeline import launches, states
 
-pytestmark = pytest.mark.slow
+# make test: the loop's stages in the stage graph (tests/test_loop_config.py), generate, score and DPO as jobs
+# (tests/jobs/), a failed run resumed at its failed stage (tests/flows/test_pipeline.py); this flow run is test-all's
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 PRESET = "tests/data/loop/iterative_dpo.yaml"
 ITERATION = ["generate", "score", "dpo"]

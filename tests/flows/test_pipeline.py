@@ -1,5 +1,6 @@
 """The Prefect pipeline against a real Prefect server: deployment on a process worker, artifacts and schedule read
-back through the API, cancellation, resume of a failed run, and reruns after a config change."""
+back through the API, cancellation, resume of a failed run, reruns after a config change, and ``rlhf compare`` of
+the deployed run with its changed rerun."""
 
 import contextlib
 import json
@@ -21,10 +22,13 @@ from prefect.deployments import run_deployment
 from prefect.states import Cancelling
 
 from deployments.deploy import deploy
+from flows.cli import main
+from flows.compare import ARTIFACT_KEY, compare_runs
 from flows.report import summary_markdown
 from flows.rlhf_pipeline import PipelineParams, rlhf_pipeline
 from tasks._procs import head_guards
 from tasks.launch import ROOT
+from tests.test_compare import record_figures, section, table
 
 pytestmark = pytest.mark.slow
 
@@ -359,7 +363,7 @@ def test_a_task_retry_resumes_ppo_from_its_checkpoint(failed_then_resumed, tmp_p
     assert "| sft | Cached | not run: output committed for this config |" in summary_markdown(summary)
 
 
-@pytest.mark.extended  # make test: the same two instances, tasks and caching in tests/flows/test_terminal.py
+@pytest.mark.extended  # make test: every stage of a run its own cached task (the deployed run and its reruns)
 def test_two_instances_of_one_kind_are_two_cached_tasks(prefect_server, tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -385,3 +389,52 @@ def test_two_instances_of_one_kind_are_two_cached_tasks(prefect_server, tmp_path
     changed = rlhf_pipeline(params.model_copy(update={"overrides": ["sft_b.optim.lr=5e-4"]}))
     assert states(changed) == {"sft_a": "Cached", "sft_b": "Completed"}
     assert launches(run_dir) == ["sft_a", "sft_b", "sft_b"]
+
+
+def test_compare_overlays_the_deployed_run_and_its_changed_rerun(deployed_run, failed_then_resumed, tmp_path, capsys):
+    """``rlhf compare`` on two real runs of this module: the deployed run and the rerun with the critic warm-up's
+    learning rate changed (``failed_then_resumed``). The report names the keys that differ, overlays both runs'
+    curves per stage and shows the critic warm-up's different final losses; the ``compare-runs`` flow stores the same
+    report as the ``run-comparison`` artifact on the Prefect server."""
+    deployed, rerun = deployed_run[1], failed_then_resumed[0]
+    with pytest.MonkeyPatch.context() as mp:
+        drawn = record_figures(mp)
+        out = tmp_path / "report"
+        main(["compare", str(deployed), str(rerun), "--out", str(out)])
+    assert capsys.readouterr().out.strip().endswith(f"report: {out}/compare.md")
+    text = (out / "compare.md").read_text()
+    assert text.startswith("# Run comparison: run vs run-2\n")  # both folders are named run: labels made unique
+
+    # The two overrides of the rerun are the keys that differ.
+    diffs = table(section(text, "Config differences"))
+    assert diffs["key"] == ["run", "run-2"]
+    assert {"`critic_warmup.critic.optim.lr`", "`ppo.train.save_steps`"} <= set(diffs), diffs
+    assert not any(key.startswith(("`sft.", "`reward_model.")) for key in diffs), diffs
+    low, high = diffs["`critic_warmup.critic.optim.lr`"]
+    assert high == "0.001" and low != high
+    # Each stage's logged curves of both runs in one image per stage; SFT's are the same run's (found complete).
+    histories = {
+        stage: {label: json.loads((run / stage / "metrics.json").read_text())["history"] for label, run in runs}
+        for stage in CURVE_STAGES
+        for runs in [[("run", deployed), ("run-2", rerun)]]
+    }
+    assert drawn == {f"{stage}: run vs run-2": histories[stage] for stage in CURVE_STAGES}
+    assert histories["sft"]["run"] == histories["sft"]["run-2"]
+    assert all((out / f"{stage}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for stage in CURVE_STAGES)
+    warmup = section(text, "critic_warmup")
+    assert "![critic_warmup](critic_warmup.png)" in warmup
+    finals = table(warmup)
+    assert finals["final metric"] == ["run", "run-2"]
+    low_loss, high_loss = finals["`critic_loss`"]  # the warm-up's last critic loss
+    assert low_loss != high_loss, finals
+
+    path = compare_runs([str(deployed), str(rerun)], str(tmp_path / "flow-report"))
+    assert path == f"{tmp_path}/flow-report/compare.md"
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ARTIFACT_KEY])), sort=ArtifactSort.CREATED_DESC
+        )
+    artifact = found[0]  # the newest version of the key
+    assert artifact.type == "markdown"
+    assert artifact.data.startswith("# Run comparison: run vs run-2\n")
+    assert "`critic_warmup.critic.optim.lr`" in artifact.data and "![ppo](data:image/png;base64," in artifact.data

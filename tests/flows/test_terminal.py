@@ -18,7 +18,9 @@ from rlhf_core.storage import ObjectStore
 from tests.conftest import ROOT
 from tests.flows.test_faults import RLHF, env, stages_launched, states  # noqa: F401 (env: a fixture)
 
-pytestmark = pytest.mark.slow
+# make test: `rlhf run` shows a real job's step events (test_stage_kind_plugin.py), and the display's plain lines, bars
+# and cached rows from events (test_console.py); the pseudo-terminal of a real run is make test-all's
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # sft_a: 512 rows / 16 = 32 steps, sft_b: 8; both report every step (log_steps is outside the config hash)

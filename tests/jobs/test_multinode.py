@@ -97,7 +97,7 @@ def test_stage_model_never_shows_its_storage_options():
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the 2-node cluster is proven in make test by the PPO run below
+@pytest.mark.extended  # a 2-node cluster: the PPO run below (make test-all)
 def test_a_node_fetches_from_s3_with_the_credentials_it_was_handed_and_shows_none(s3_server, tmp_path, capfd):
     store = ObjectStore(f"s3://{s3_server.bucket}/node-cache/{tmp_path.name}", s3_storage_options(s3_server))
     ref = _artifact(store, tmp_path, "sft", "weights on s3")
@@ -204,6 +204,8 @@ def _downloads(log: list[dict]) -> dict[str, int]:
 
 
 @pytest.mark.slow
+# make test: node-local model files, pins and refusals (the tests above); a real 2-node cluster's run: test-all
+@pytest.mark.extended
 def test_ppo_on_an_existing_two_node_cluster_with_node_local_models(ppo_inputs, two_nodes, tmp_path):
     address, temp_dirs = two_nodes
     run = tmp_path / "run"
